@@ -1,0 +1,19 @@
+"""Things that react to loop events: progress bar, checkpointing policy, early stopping, learning-rate
+logging, and the experiment loggers they write to."""
+
+from callbacks.base import Callback
+from callbacks.early_stopping import EarlyStopping
+from callbacks.loggers import Logger, TensorBoardLogger
+from callbacks.lr_monitor import LearningRateMonitor
+from callbacks.model_checkpoint import ModelCheckpoint
+from callbacks.progress import ProgressBar
+
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "Logger",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "TensorBoardLogger",
+]

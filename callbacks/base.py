@@ -1,0 +1,132 @@
+"""The `Callback` contract: hooks the Trainer calls at loop events. Every hook is a no-op here."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from trainer import Trainer, TrainModule
+
+
+class Callback:
+    """Reacts to loop events. Subclasses override the hooks they need; names and signatures follow Lightning.
+
+    A callback that keeps state across a resume returns it from `state_dict` (plain Python values) and takes
+    it back in `load_state_dict`. The Trainer stores it under `checkpoint["callbacks"][callback.state_key]`.
+    """
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint; unique among the callbacks of one Trainer."""
+        return type(self).__qualname__
+
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        """A state key that includes the arguments telling two instances of one class apart."""
+        return f"{type(self).__qualname__}{kwargs!r}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+    # -- whole runs -----------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        """Called at the start of fit/validate/test/predict on every rank, after the strategy is set up."""
+
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        """Called at the end of fit/validate/test/predict on every rank."""
+
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        pass
+
+    # -- training -------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
+        pass
+
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Called after every micro-batch; on the last one of a step, after the optimizer step and after
+        `global_step` was incremented."""
+
+    def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Optimizer) -> None:
+        pass
+
+    # -- validation -----------------------------------------------------------------------------------------
+    def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Called after validation, once its epoch metrics are in `trainer.callback_metrics`."""
+
+    def on_validation_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_validation_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_validation_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        pass
+
+    # -- test -----------------------------------------------------------------------------------------------
+    def on_test_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_test_end(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_test_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_test_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_test_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        pass
+
+    # -- predict --------------------------------------------------------------------------------------------
+    def on_predict_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_predict_end(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_predict_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        pass
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+        pass
+
+    def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,189 @@
+"""Experiment loggers: the `Logger` contract and `TensorBoardLogger`.
+
+Loggers write from global rank 0 only. The Trainer sets `logger.rank = trainer.global_rank` before first use
+and makes every rank agree on the version: `logger.version = strategy.broadcast(logger.version, src=0)`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from argparse import Namespace
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+class Logger:
+    """What the Trainer and callbacks need from an experiment logger. Writes happen on rank 0 only."""
+
+    rank: int = 0
+
+    @property
+    def name(self) -> str:
+        return ""
+
+    @property
+    def version(self) -> int | str | None:
+        return None
+
+    @property
+    def save_dir(self) -> str | None:
+        return None
+
+    @property
+    def log_dir(self) -> str | None:
+        """Where this run's files go; the default home of `ModelCheckpoint`'s checkpoints."""
+        return None
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        pass
+
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace) -> None:
+        pass
+
+    def save(self) -> None:
+        pass
+
+    def finalize(self, status: str) -> None:
+        """Called at the end of fit/validate/test with "success", "failed" or "interrupted"."""
+        self.save()
+
+
+class _NoOpWriter:
+    """The SummaryWriter's stand-in on ranks other than 0: `logger.experiment.add_x(...)` works anywhere."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+class TensorBoardLogger(Logger):
+    """Writes TensorBoard event files to `save_dir/name/version_<n>/` with `torch.utils.tensorboard`.
+
+    `version=None` takes the next free `version_<n>` in `save_dir/name` when first asked for; a string version
+    is used as the directory name. The SummaryWriter is created on rank 0 at the first write.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike = "runs", name: str | None = "default",
+                 version: int | str | None = None, **writer_kwargs: Any) -> None:
+        self._save_dir = os.fspath(save_dir)
+        self._name = name or ""
+        self._version = version
+        self._writer_kwargs = writer_kwargs
+        self._writer: Any = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    @property
+    def root_dir(self) -> str:
+        return os.path.join(self._save_dir, self._name)
+
+    @property
+    def version(self) -> int | str:
+        if self._version is None:
+            self._version = _next_free_version(self.root_dir)
+        return self._version
+
+    @version.setter
+    def version(self, value: int | str) -> None:
+        if self._writer is not None and value != self._version:
+            raise RuntimeError(f"TensorBoardLogger already writes version {self._version!r}; can't change it")
+        self._version = value
+
+    @property
+    def log_dir(self) -> str:
+        version = self.version
+        return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
+
+    @property
+    def experiment(self) -> Any:
+        """The SummaryWriter (created on first use) on rank 0; a writer that does nothing on other ranks."""
+        if self.rank != 0:
+            return _NoOpWriter()
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # slow import: only when something is written
+
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._writer = SummaryWriter(log_dir=self.log_dir, **self._writer_kwargs)
+        return self._writer
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        if self.rank != 0:
+            return
+        writer = self.experiment
+        for key, value in metrics.items():
+            if isinstance(value, Mapping):
+                writer.add_scalars(key, {k: _to_scalar(key, v) for k, v in value.items()}, step)
+            else:
+                writer.add_scalar(key, _to_scalar(key, value), step)
+
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace) -> None:
+        """Logs to the HParams dashboard (in this run's event file) and as a table in the Text dashboard."""
+        if self.rank != 0:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        flat = _flatten(vars(params) if isinstance(params, Namespace) else dict(params))
+        if not flat:
+            return
+        writer = self.experiment
+        file_writer = writer._get_file_writer()  # add_hparams would start a separate run in a subdirectory
+        for summary in hparams(flat, {}):
+            file_writer.add_summary(summary)
+        table = "\n".join(["| name | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in flat.items()])
+        writer.add_text("hparams", table)
+
+    def save(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def finalize(self, status: str) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None  # a later write (e.g. `trainer.test` after `fit`) opens a new event file
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_writer": None}
+
+
+def _next_free_version(root_dir: str) -> int:
+    if not os.path.isdir(root_dir):
+        return 0
+    found = [re.fullmatch(r"version_(\d+)", entry) for entry in os.listdir(root_dir)]
+    versions = [int(m.group(1)) for m in found if m and os.path.isdir(os.path.join(root_dir, m.group(0)))]
+    return max(versions) + 1 if versions else 0
+
+
+def _to_scalar(name: str, value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"Cannot log metric {name!r}: tensor of shape {tuple(value.shape)} is no scalar")
+        return value.item()
+    if isinstance(value, bool | int | float):
+        return value
+    kind = type(value).__name__
+    raise ValueError(f"Cannot log metric {name!r} of type {kind}: need a number or a scalar tensor")
+
+
+def _flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts become "a/b" keys; values TensorBoard cannot show become their string form."""
+    flat: dict[str, Any] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, prefix=f"{name}/"))
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            flat[name] = value.item()
+        elif isinstance(value, bool | int | float | str):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat

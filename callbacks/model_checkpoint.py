@@ -1,0 +1,303 @@
+"""When to save checkpoints and which to keep: the best `save_top_k` by a monitored metric, and `last`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shutil
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from callbacks._monitor import broadcast_metrics, check_mode
+from callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from trainer import Trainer, TrainModule
+
+log = logging.getLogger(__name__)
+
+
+class ModelCheckpoint(Callback):
+    """Saves checkpoints (directories written by `trainer.save_checkpoint`) like Lightning's ModelCheckpoint.
+
+    - Triggers: every `every_n_epochs` epochs (default 1) after validation, or at the end of the training
+      epoch when there is no validation (`save_on_train_epoch_end` overrides this); or every
+      `every_n_train_steps` optimizer steps. The two are exclusive.
+    - `monitor` set: keeps the `save_top_k` best by that metric (`mode` "min" or "max"); -1 keeps all, 0 none.
+      `monitor=None`: keeps the `save_top_k` most recent.
+    - `save_last`: also writes `dirpath/last`, replaced only once the new one is complete.
+    - `dirpath` defaults to `<trainer.log_dir or trainer.default_root_dir>/checkpoints`; `filename` is a
+      template such as "{epoch}-{val/loss:.3f}" (names are inserted: "epoch=3-val_loss=0.123"), default
+      "{epoch}-{step}".
+
+    Every rank takes the same decisions: they are made from rank 0's metrics, broadcast. Checkpoints that fall
+    out of the top k are deleted by rank 0 after the new one is complete on every rank.
+    """
+
+    CHECKPOINT_NAME_LAST = "last"
+
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
+                 monitor: str | None = None, *, mode: str = "min", save_top_k: int = 1,
+                 save_last: bool | None = None, every_n_train_steps: int | None = None,
+                 every_n_epochs: int | None = None, save_on_train_epoch_end: bool | None = None,
+                 auto_insert_metric_name: bool = True, verbose: bool = False) -> None:
+        check_mode("ModelCheckpoint", mode)
+        _check_triggers(save_top_k, every_n_train_steps, every_n_epochs)
+        self.dirpath = _realpath(dirpath) if dirpath is not None else None
+        self.filename = filename
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.save_on_train_epoch_end = save_on_train_epoch_end
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.verbose = verbose
+        both_unset = every_n_train_steps is None and every_n_epochs is None
+        self.every_n_epochs = 1 if both_unset else (every_n_epochs or 0)
+        self.every_n_train_steps = every_n_train_steps or 0
+
+        self.best_k_models: dict[str, torch.Tensor] = {}
+        self.kth_best_model_path = ""
+        self.kth_value: torch.Tensor | None = None
+        self.best_model_path = ""
+        self.best_model_score: torch.Tensor | None = None
+        self.current_score: torch.Tensor | None = None
+        self.last_model_path = ""
+        self._last_global_step_saved = 0
+        self._dirpath_resolved = False
+        self._pending_state: dict[str, Any] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(monitor=self.monitor, mode=self.mode,
+                                        every_n_train_steps=self.every_n_train_steps,
+                                        every_n_epochs=self.every_n_epochs)
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        root = trainer.log_dir or trainer.default_root_dir
+        dirpath = self.dirpath or _realpath(os.path.join(root, "checkpoints"))
+        self.dirpath = trainer.strategy.broadcast(dirpath, src=0)
+        self._dirpath_resolved = True
+        if stage == "fit" and trainer.is_global_zero and os.path.isdir(dirpath) and os.listdir(dirpath):
+            warnings.warn(f"Checkpoint directory {dirpath} exists and is not empty.", stacklevel=2)
+        if self._pending_state is not None:
+            self._restore(self._pending_state)
+            self._pending_state = None
+
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        n = self.every_n_train_steps
+        if n >= 1 and trainer.global_step % n == 0 and not self._skip(trainer):
+            self._save(trainer, strict=False)  # a validation metric may not exist yet: warn, save only `last`
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._on_train_epoch_end(trainer) and self._epoch_due(trainer) and not self._skip(trainer):
+            self._save(trainer, strict=True)
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if not self._on_train_epoch_end(trainer) and self._epoch_due(trainer) and not self._skip(trainer):
+            self._save(trainer, strict=True)
+
+    def _skip(self, trainer: Trainer) -> bool:
+        return (trainer.state.stage != "fit" or trainer.sanity_checking
+                or trainer.global_step == self._last_global_step_saved)
+
+    def _on_train_epoch_end(self, trainer: Trainer) -> bool:
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        return not trainer.num_val_batches
+
+    def _epoch_due(self, trainer: Trainer) -> bool:
+        return self.every_n_epochs >= 1 and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    # -- saving ---------------------------------------------------------------------------------------------
+    def _save(self, trainer: Trainer, strict: bool) -> None:
+        metrics = broadcast_metrics(trainer)
+        self._save_top_k(trainer, metrics, strict)
+        self._save_last(trainer)
+
+    def _save_top_k(self, trainer: Trainer, metrics: dict[str, float], strict: bool) -> None:
+        if self.save_top_k == 0:
+            return
+        if self.monitor is not None and self.monitor not in metrics:
+            message = (f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored metric in "
+                       f"the logged metrics: {sorted(k for k in metrics if k not in ('epoch', 'step'))}. "
+                       f"Log it with self.log({self.monitor!r}, value).")
+            if strict:
+                raise ValueError(message)
+            warnings.warn(message, stacklevel=2)
+            return
+        current = self._score(metrics)
+        if not self._is_top_k(current):
+            if self.verbose and trainer.is_global_zero:
+                log.info(f"Step {trainer.global_step}: {self.monitor}={current:.6g} is not in the top k")
+            return
+        self._update_best_and_save(trainer, current, metrics)
+
+    def _score(self, metrics: dict[str, float]) -> float:
+        """The monitored value (NaN ranks worst); without `monitor` the step: the most recent ranks best."""
+        if self.monitor is None:
+            return float(metrics["step"])
+        current = metrics[self.monitor]
+        return (math.inf if self.mode == "min" else -math.inf) if math.isnan(current) else current
+
+    @property
+    def _effective_mode(self) -> str:
+        return "max" if self.monitor is None else self.mode
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self._effective_mode == "min" else a > b
+
+    def _is_top_k(self, current: float) -> bool:
+        if self.save_top_k == -1 or len(self.best_k_models) < self.save_top_k:
+            return True
+        return self.kth_value is not None and self._better(current, float(self.kth_value))
+
+    def _update_best_and_save(self, trainer: Trainer, current: float, metrics: dict[str, float]) -> None:
+        removed = []
+        while self.save_top_k > 0 and len(self.best_k_models) >= self.save_top_k:
+            removed.append(self._worst_path())
+            self.best_k_models.pop(removed[-1])
+        path = self._new_path(trainer, metrics, reusable=removed)
+        self.current_score = torch.tensor(current)
+        self.best_k_models[path] = self.current_score
+        self._update_best()
+        if self.verbose and trainer.is_global_zero:
+            log.info(f"Step {trainer.global_step}: saving {path} ({self.monitor or 'step'} = {current:.6g})")
+        stale = [p for p in removed if self._should_remove(trainer, p, path)]
+        self._save_checkpoint(trainer, path, remove=stale)
+
+    def _worst_path(self) -> str:
+        pick = max if self._effective_mode == "min" else min
+        return pick(self.best_k_models, key=lambda p: float(self.best_k_models[p]))
+
+    def _update_best(self) -> None:
+        pick = min if self._effective_mode == "min" else max
+        best = pick(self.best_k_models, key=lambda p: float(self.best_k_models[p]))
+        self.best_model_path = best
+        self.best_model_score = self.best_k_models[best] if self.monitor is not None else None
+        if self.save_top_k > 0 and len(self.best_k_models) >= self.save_top_k:
+            self.kth_best_model_path = self._worst_path()
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+
+    def _save_last(self, trainer: Trainer) -> None:
+        if not self.save_last:
+            return
+        previous = self.last_model_path
+        path = self.last_model_path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST)
+        stale = [previous] if previous and self._should_remove(trainer, previous, path) else []
+        self._save_checkpoint(trainer, path, remove=stale)
+
+    def _save_checkpoint(self, trainer: Trainer, path: str, remove: list[str]) -> None:
+        """Saves to `path`, then rank 0 removes `remove` once every rank is done. `trainer.save_checkpoint`
+        writes aside and renames, so an existing checkpoint at `path` is replaced only by a complete one.
+        The state saved with the checkpoint is already updated to include it."""
+        self._last_global_step_saved = trainer.global_step
+        trainer.save_checkpoint(path)
+        trainer.strategy.barrier()
+        if trainer.is_global_zero:
+            for old in remove:
+                _remove(old)
+
+    def _new_path(self, trainer: Trainer, metrics: dict[str, float], reusable: list[str]) -> str:
+        """The formatted name in `dirpath`, with "-v<n>" added if a checkpoint we keep has that name."""
+        path = None
+        if trainer.is_global_zero:
+            name = self.format_checkpoint_name(metrics)
+            path = os.path.join(self.dirpath, name)
+            version = 1
+            while os.path.exists(path) and path not in reusable:
+                path = os.path.join(self.dirpath, f"{name}-v{version}")
+                version += 1
+        return trainer.strategy.broadcast(path, src=0)
+
+    def _should_remove(self, trainer: Trainer, previous: str, current: str) -> bool:
+        """Only checkpoints inside `dirpath`, never the new one or the one this run resumed from."""
+        previous = _realpath(previous)
+        if previous == _realpath(current):
+            return False
+        if trainer.ckpt_path is not None and previous == _realpath(trainer.ckpt_path):
+            return False
+        return os.path.commonpath([previous, self.dirpath]) == self.dirpath
+
+    def format_checkpoint_name(self, metrics: dict[str, Any]) -> str:
+        """Fills `filename` from `metrics`: "{epoch}-{val/loss:.2f}" -> "epoch=2-val_loss=0.31"."""
+        template = self.filename or "{epoch}-{step}"
+        metrics = dict(metrics)
+        for group in sorted(re.findall(r"(\{.*?)[:\}]", template), key=len, reverse=True):
+            name = group[1:]
+            if self.auto_insert_metric_name:
+                template = template.replace(group, f"{name.replace('/', '_')}={{{name}")
+            template = template.replace(group, f"{{0[{name}]")
+            metrics.setdefault(name, 0)
+        return template.format(metrics)
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "monitor": self.monitor,
+            "dirpath": self.dirpath,
+            "best_model_path": self.best_model_path,
+            "best_model_score": _float(self.best_model_score),
+            "current_score": _float(self.current_score),
+            "best_k_models": {path: float(score) for path, score in self.best_k_models.items()},
+            "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": _float(self.kth_value),
+            "last_model_path": self.last_model_path,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._dirpath_resolved:
+            self._restore(state_dict)
+        else:  # the default dirpath is known only in `setup`
+            self._pending_state = dict(state_dict)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.best_model_path = state["best_model_path"]
+        if state.get("dirpath") != self.dirpath:
+            warnings.warn(f"ModelCheckpoint's dirpath changed from {state.get('dirpath')!r} to "
+                          f"{self.dirpath!r}: only best_model_path is restored, the top-k bookkeeping starts "
+                          "afresh.", stacklevel=2)
+            return
+        self.best_model_score = _tensor(state["best_model_score"])
+        self.current_score = _tensor(state.get("current_score"))
+        self.best_k_models = {path: torch.tensor(score) for path, score in state["best_k_models"].items()}
+        self.kth_best_model_path = state["kth_best_model_path"]
+        self.kth_value = _tensor(state["kth_value"])
+        self.last_model_path = state["last_model_path"]
+
+
+def _check_triggers(save_top_k: int, every_n_train_steps: int | None, every_n_epochs: int | None) -> None:
+    if save_top_k < -1:
+        raise ValueError(f"ModelCheckpoint(save_top_k={save_top_k}) must be >= -1 (-1 keeps all checkpoints)")
+    for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
+        if value is not None and value < 0:
+            raise ValueError(f"ModelCheckpoint({name}={value}) must be >= 0")
+    if (every_n_train_steps or 0) > 0 and (every_n_epochs or 0) > 0:
+        raise ValueError("ModelCheckpoint: `every_n_train_steps` and `every_n_epochs` are mutually exclusive;"
+                         f" got every_n_train_steps={every_n_train_steps}, every_n_epochs={every_n_epochs}")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _realpath(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.expanduser(os.fspath(path)))
+
+
+def _float(value: torch.Tensor | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _tensor(value: float | None) -> torch.Tensor | None:
+    return None if value is None else torch.tensor(value)

@@ -1,0 +1,372 @@
+"""A small GPT that learns to write Python, byte by byte, from the standard library's own source.
+
+The README quickstart: it needs no download, so it runs anywhere Python does.
+
+    python examples/gpt.py --devices 2                    # two CPU ranks, DDP, a few minutes
+    python examples/gpt.py --devices 2 --strategy fsdp    # the same run, fully sharded
+    tensorboard --logdir runs
+
+The model, data and module are importable (`GPTConfig`, `GPT`, `GPTModule`, `build_datasets`,
+`GPT_PRESETS`) so tests and benchmarks train the same thing at other sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+if __package__ in (None, ""):  # run as a script: make the project importable without installing it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from callbacks import Callback, ModelCheckpoint  # noqa: E402
+from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def stdlib_source_files(max_bytes: int = 1_500_000) -> list[str]:
+    """The standard library's top-level .py files in sorted order, whole files, until `max_bytes` is reached.
+
+    Private modules (leading underscore) are left out: some of them are generated per machine.
+    """
+    root = os.path.dirname(os.__file__)
+    names = sorted(n for n in os.listdir(root) if n.endswith(".py") and not n.startswith("_"))
+    files, total = [], 0
+    for name in names:
+        if total >= max_bytes:
+            break
+        path = os.path.join(root, name)
+        files.append(path)
+        total += os.path.getsize(path)
+    return files
+
+
+def load_corpus(max_bytes: int = 1_500_000, val_every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and validation bytes as uint8 tensors; every `val_every`-th file goes to validation."""
+    if val_every < 2:
+        raise ValueError(f"val_every must be >= 2, got {val_every}")
+    train, val = [], []
+    for i, path in enumerate(stdlib_source_files(max_bytes)):
+        with open(path, "rb") as f:
+            (val if i % val_every == val_every - 1 else train).append(f.read())
+    to_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)  # noqa: E731
+    return to_tensor(train), to_tensor(val)
+
+
+class TextWindows(Dataset):
+    """Window i is the `block_size` bytes starting at i * stride, with the next bytes as targets."""
+
+    def __init__(self, data: torch.Tensor, block_size: int, stride: int | None = None) -> None:
+        if len(data) < block_size + 1:
+            raise ValueError(f"text of {len(data)} bytes is shorter than block_size + 1 = {block_size + 1}")
+        self.data, self.block_size = data, block_size
+        self.stride = stride or block_size
+        self.num_windows = (len(data) - block_size - 1) // self.stride + 1
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self.num_windows:
+            raise IndexError(i)
+        chunk = self.data[i * self.stride : i * self.stride + self.block_size + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+def build_datasets(
+    block_size: int = 64, max_bytes: int = 1_500_000, val_windows: int = 512
+) -> tuple[TextWindows, TextWindows]:
+    """Train windows tile the training text; about `val_windows` validation windows spread over all of it."""
+    train, val = load_corpus(max_bytes)
+    val_stride = max(block_size, (len(val) - block_size - 1) // max(1, val_windows - 1))
+    return TextWindows(train, block_size), TextWindows(val, block_size, stride=val_stride)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # bytes
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+
+GPT_PRESETS: dict[str, GPTConfig] = {
+    "quickstart": GPTConfig(),  # ~0.8M parameters
+    "30m": GPTConfig(block_size=256, n_layer=8, n_head=8, n_embd=576),  # ~32M
+    "100m": GPTConfig(block_size=256, n_layer=14, n_head=12, n_embd=768),  # ~100M
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if config.n_embd % config.n_head:
+            raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+        self.n_head, self.dropout = config.n_head, config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in self.c_attn(x).split(c, dim=2))
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, c)))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's model: token and position embeddings, pre-norm blocks, final norm, head tied to the input."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 initialisation; residual projections scaled down by depth."""
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)  # layer norm weights
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @staticmethod
+    def count_parameters(config: GPTConfig) -> int:
+        with torch.device("meta"):
+            return GPT(config).num_parameters()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 40):
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size :])[:, -1, :] / temperature
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+            logits[logits < kth] = -float("inf")
+            idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), 1)), dim=1)
+        return idx
+
+
+# --------------------------------------------------------------------------------------------- module
+
+
+class GPTModule(TrainModule):
+    """Next-byte prediction with AdamW (no decay on biases and norms) and linear warmup then cosine decay."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        lr: float = 2e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 20,
+        max_steps: int = 400,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.lr, self.weight_decay, self.min_lr_ratio = lr, weight_decay, min_lr_ratio
+        self.warmup_steps, self.max_steps = warmup_steps, max_steps
+        self.hparams_dict = {**asdict(config), "lr": lr, "weight_decay": weight_decay, "max_steps": max_steps}
+        self.model: GPT | None = None
+
+    def configure_model(self) -> None:
+        if self.model is None:  # built here so sharded strategies can create it shard by shard
+            self.model = GPT(self.config)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def lr_factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def configure_optimizers(self):
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.99))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr_factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class PrintValLoss(Callback):
+    """One line per validation on rank 0, so the loss curve is visible without TensorBoard."""
+
+    def on_validation_end(self, trainer, module) -> None:
+        loss = trainer.callback_metrics.get("val/loss")
+        if trainer.is_global_zero and loss is not None:
+            from tqdm import tqdm
+
+            tqdm.write(f"step {trainer.global_step:5d}  val/loss {float(loss):.4f}")
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", default="ddp", choices=["auto", "ddp", "zero1", "zero2", "fsdp"])
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--preset", choices=sorted(GPT_PRESETS), default="quickstart",
+                   help="model size; the flags below override it")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--n-layer", type=int)
+    p.add_argument("--n-head", type=int)
+    p.add_argument("--n-embd", type=int)
+    p.add_argument("--dropout", type=float)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--precision", default="32", choices=["32", "bf16-mixed", "16-mixed", "bf16-true"])
+    p.add_argument("--val-check-interval", type=int, default=50, help="training steps between validations")
+    p.add_argument("--val-windows", type=int, default=512, help="validation windows, spread over the text")
+    p.add_argument("--data-bytes", type=int, default=1_500_000, help="bytes of stdlib source to use")
+    p.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate at the end (0: none)")
+    p.add_argument("--root-dir", default="runs", help="TensorBoard logs and checkpoints go here")
+    p.add_argument("--seed", type=int, default=1337)
+    return p.parse_args(argv)
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    overrides = {k: getattr(args, k) for k in ("block_size", "n_layer", "n_head", "n_embd", "dropout")}
+    return replace(GPT_PRESETS[args.preset], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def sample(checkpoint: str, config: GPTConfig, num_tokens: int, prompt: bytes = b"def ") -> str:
+    """Reload the saved weights in this one process, as a user would, and let the model write some Python."""
+    from trainer.checkpoint import load_full_state_dict
+
+    model = GPT(config)
+    state = {k.removeprefix("model."): v for k, v in load_full_state_dict(checkpoint).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head may be stored once, as wte.weight
+        raise ValueError(f"{checkpoint} does not hold this GPT: missing {missing}, unexpected {unexpected}")
+    model.eval()
+    torch.manual_seed(0)
+    out = model.generate(torch.tensor([list(prompt)]), num_tokens)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    seed_everything(args.seed)
+    config = model_config(args)
+    train_set, val_set = build_datasets(config.block_size, args.data_bytes, args.val_windows)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    val_loader = DataLoader(val_set, batch_size=args.batch_size)
+    module = GPTModule(config, lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
+
+    trainer = Trainer(
+        strategy=args.strategy,
+        devices=args.devices,
+        accelerator=args.accelerator,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        max_epochs=1000,
+        val_check_interval=args.val_check_interval,
+        gradient_clip_val=1.0,
+        log_every_n_steps=10,
+        default_root_dir=args.root_dir,
+        callbacks=[ModelCheckpoint(monitor="val/loss", mode="min", save_last=True), PrintValLoss()],
+    )
+    if trainer.is_global_zero:
+        print(f"data: {len(train_set.data):,} train / {len(val_set.data):,} val bytes of stdlib source; "
+              f"model: {GPT.count_parameters(config):,} parameters; "
+              f"{trainer.world_size} rank(s), strategy {args.strategy}")
+    start = time.perf_counter()
+    trainer.fit(module, train_loader, val_loader)
+    elapsed = time.perf_counter() - start
+
+    if not trainer.is_global_zero:
+        return
+    ckpt = trainer.checkpoint_callback
+    best = ckpt.best_model_path or ckpt.last_model_path
+    print(f"\ntraining took {elapsed:.1f} s for {trainer.global_step} steps")
+    print(f"TensorBoard logs: {trainer.logger.log_dir}\n"
+          f"  open them with: tensorboard --logdir {args.root_dir}")
+    print(f"checkpoint (best val/loss): {best}\n  last: {ckpt.last_model_path}")
+    if args.sample_tokens > 0 and best:
+        print(f"\nsample from {best}:\n{sample(best, config, args.sample_tokens)}")
+
+
+if __name__ == "__main__":
+    main()

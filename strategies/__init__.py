@@ -1,0 +1,20 @@
+"""Strategies: how a model is spread over data-parallel ranks. Each is a sharding spec on one engine."""
+
+from .base import Strategy
+from .ddp import DDPStrategy
+from .fsdp import FSDPStrategy
+from .registry import STRATEGIES, get_strategy
+from .single import SingleDeviceStrategy
+from .sharding import mark_as_unit
+from .zero import ZeroStrategy
+
+__all__ = [
+    "DDPStrategy",
+    "FSDPStrategy",
+    "STRATEGIES",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "ZeroStrategy",
+    "get_strategy",
+    "mark_as_unit",
+]

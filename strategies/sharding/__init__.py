@@ -1,0 +1,7 @@
+"""The one sharding engine behind every strategy."""
+
+from .engine import ShardingEngine, WrapPolicy
+from .spec import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingSpec
+from .units import mark_as_unit
+
+__all__ = ["FULL_SHARD", "REPLICATED", "ZERO1", "ZERO2", "ShardingEngine", "ShardingSpec", "WrapPolicy", "mark_as_unit"]

@@ -1,0 +1,296 @@
+"""The sharding engine: one object that holds a model's units and drives them through a training step.
+
+The engine branches on the ShardingSpec only. With nothing sharded it is DDP (bucketed all-reduce from
+backward hooks); with optimizer state sharded it is ZeRO-1; with gradients too, ZeRO-2; with parameters too,
+FSDP full shard (units all-gathered around their forward and backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .collectives import CommStats
+from .hooks import call_after_inputs_grad, call_before_outputs_grad
+from .spec import ShardingSpec
+from .unit import ParamState, ShardUnit
+from .units import assign_to_units, gradient_buckets, policy_modules
+
+WrapPolicy = Callable[[nn.Module, str], bool]
+
+
+class ShardingEngine:
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: ShardingSpec,
+        group: Any = None,
+        wrap_policy: WrapPolicy | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        self.module, self.spec, self.group = module, spec, group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.reshard_after_forward = reshard_after_forward
+        self.stats = CommStats()
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.sync_gradients = True
+        self.in_backward = False
+        self._broadcast_buffers()
+        self.units = self._build_units(wrap_policy)
+        self._unit_of_param = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self.param_by_name = {n: p for u in self.units for n, p in zip(u.param_names, u.params)}
+        self._reduce_order = self.units  # built in the order backward is expected to finish them
+        self._next_reduce = 0
+        self._forward_order: list[ShardUnit] = []
+        self._last_forward_order: list[ShardUnit] = []
+        self._register_grad_hooks()
+        if spec.shard_parameters:
+            self._register_module_hooks()
+
+    # ---- setup --------------------------------------------------------------------------------------
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers are the truth (parameters are broadcast per unit, see _build_units)."""
+        if self.world_size > 1:
+            for b in self.module.buffers():
+                dist.broadcast(b.data, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+
+    def _build_units(self, wrap_policy: WrapPolicy | None) -> list[ShardUnit]:
+        if self.spec.shard_parameters:
+            wrapped = policy_modules(self.module, wrap_policy)
+            assigned = assign_to_units(self.module, [n for n, _ in wrapped])
+            modules = dict(wrapped)
+            # Gradients become ready in reverse forward order: last-registered units first, the root last.
+            groups = [(n, modules[n], assigned[n]) for n, _ in reversed(wrapped)] + [("", self.module, assigned[""])]
+        else:
+            groups = [(f"bucket{i}", None, b) for i, b in enumerate(gradient_buckets(self.module))]
+        units = []
+        for name, module, params in groups:
+            if params:
+                self._broadcast_params(params)
+                units.append(self._new_unit(name, params, module))
+        return units
+
+    def _broadcast_params(self, params: list[tuple[str, nn.Parameter]]) -> None:
+        if self.world_size > 1:
+            flat = torch.cat([p.detach().reshape(-1) for _, p in params])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+            offset = 0
+            with torch.no_grad():
+                for _, p in params:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def _new_unit(self, name: str, params: list, module: nn.Module | None) -> ShardUnit:
+        dtypes = {p.dtype for _, p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                             "wrap the modules of each dtype as separate units")
+        return ShardUnit(name, params, self.spec, self.rank, self.world_size, self.group, self.stats, module)
+
+    def _register_grad_hooks(self) -> None:
+        for unit in self.units:
+            for index, p in enumerate(unit.params):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(
+                        lambda _p, unit=unit, index=index: self._on_grad_ready(unit, index)
+                    )
+
+    def _register_module_hooks(self) -> None:
+        for unit in self.units:
+            if unit.module is self.module:
+                continue  # the root is driven by root_call, not by its forward
+            unit.module.register_forward_pre_hook(
+                lambda _m, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs), with_kwargs=True
+            )
+            unit.module.register_forward_hook(lambda _m, _args, out, unit=unit: self._post_forward(unit, out))
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def root_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a step function of the whole model (training_step, validation_step, ...)."""
+        if self.spec.shard_parameters:
+            if self._forward_order:
+                self._last_forward_order = self._forward_order
+            self._forward_order = []
+            root = self.units[-1]
+            if root.module is self.module:
+                root.unshard()
+            self._prefetch(self._last_forward_order[:1])
+        return fn(*args, **kwargs)
+
+    def _pre_forward(self, unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        unit.unshard()
+        if self.in_backward:  # recomputation under activation checkpointing
+            return args, kwargs
+        self._forward_order.append(unit)
+        position = len(self._forward_order)
+        self._prefetch(self._last_forward_order[position : position + 1])
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        args, kwargs, unit.inputs_need_grad = call_after_inputs_grad(
+            args, kwargs, lambda: self._on_inputs_grad(unit)
+        )
+        return args, kwargs
+
+    def _post_forward(self, unit: ShardUnit, output: Any) -> None:
+        if self.in_backward:
+            return
+        if self.reshard_after_forward:
+            unit.reshard()
+        if torch.is_grad_enabled():
+            call_before_outputs_grad(output, lambda: self._pre_backward(unit))
+
+    def _prefetch(self, units: list[ShardUnit]) -> None:
+        for unit in units:
+            if unit.state is ParamState.SHARDED:
+                unit.unshard(async_op=True)
+
+    # ---- backward -----------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), then finish every unit's gradient reduction."""
+        self.in_backward = False
+        loss.backward()
+        self.finish_backward()
+
+    def _pre_backward(self, unit: ShardUnit) -> None:
+        self.in_backward = True
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        unit.unshard()
+        order = self._forward_order
+        if unit in order:
+            position = order.index(unit)
+            self._prefetch(order[position - 1 : position] if position > 0 else [])
+
+    def _on_inputs_grad(self, unit: ShardUnit) -> None:
+        unit.input_grad_done = True
+        self._maybe_reshard_after_backward(unit)
+
+    def _on_grad_ready(self, unit: ShardUnit, index: int) -> None:
+        if unit.on_grad_ready(index):
+            unit.grads_ready = True
+            self._launch_ready_reductions()
+            self._maybe_reshard_after_backward(unit)
+
+    def _maybe_reshard_after_backward(self, unit: ShardUnit) -> None:
+        if unit.module is self.module:
+            return  # the root is resharded in finish_backward
+        if unit.grads_ready and (unit.input_grad_done or not unit.inputs_need_grad):
+            unit.reshard()
+
+    def _launch_ready_reductions(self) -> None:
+        """Collectives must be issued in the same order on every rank, so reductions start in a fixed order."""
+        sync = self.sync_gradients or self.spec.shard_gradients
+        while self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce].grads_ready:
+            self._reduce_order[self._next_reduce].launch_reduce(sync)
+            self._next_reduce += 1
+
+    def finish_backward(self) -> None:
+        for unit in self.units:
+            unit.grads_ready = True
+        self._launch_ready_reductions()
+        for unit in self.units:
+            unit.finish_reduce()
+            unit.reshard()
+            unit.reset_backward_state()
+        self._next_reduce = 0
+        self.in_backward = False
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient communication (replicated gradients accumulate locally; sharded ones still reduce)."""
+        previous, self.sync_gradients = self.sync_gradients, False
+        try:
+            yield
+        finally:
+            self.sync_gradients = previous
+
+    # ---- optimizer ----------------------------------------------------------------------------------
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Keep the user's optimizer and parameter groups; with sharded optimizer state, swap each parameter
+        for this rank's piece of it so the optimizer only steps (and keeps state for) the local shard."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in self._unit_of_param:
+                    raise ValueError("configure_optimizers: the optimizer holds a tensor that is not a parameter "
+                                     f"of the module (shape {tuple(p.shape)})")
+        if optimizer.state:
+            raise ValueError("configure_optimizers: the optimizer already has state; return a fresh optimizer")
+        self.optimizers.append(optimizer)
+        if self.spec.shard_optimizer_state:
+            for group in optimizer.param_groups:
+                group["params"] = [shard for p in group["params"] if (shard := self.shard_of(p)) is not None]
+        return optimizer
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for opt in self.optimizers for state in opt.state.values()
+                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    def shard_of(self, param: nn.Parameter) -> nn.Parameter | None:
+        unit, index = self._unit_of_param[id(param)]
+        return unit.shard_params.get(index)
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so that their global L2 norm over every parameter on every rank is <= max_norm."""
+        squares = torch.stack([unit.local_grad_square_sum() for unit in self.units]).sum()
+        if self.spec.shard_optimizer_state and self.world_size > 1:
+            dist.all_reduce(squares, group=self.group)
+        total = squares.sqrt()
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for unit in self.units:
+            unit.scale_grads_(coefficient)
+        return total
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.spec.shard_optimizer_state:
+            for unit in self.units:
+                unit.attach_shard_grads()
+        optimizer.step()
+        self.after_parameters_changed()
+
+    def after_parameters_changed(self) -> None:
+        """Bring every copy of the parameters up to date with the (just stepped or loaded) master shards."""
+        for unit in self.units:
+            if self.spec.shard_parameters:
+                unit.reshard()
+            elif self.spec.shard_optimizer_state:
+                unit.gather_replicas_after_step()
+
+    # ---- parameters in full -------------------------------------------------------------------------
+    def iter_full_parameters(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+        """Unit by unit, the unsharded parameter tensors (names of the first registration)."""
+        for unit in self.units:
+            was_sharded = unit.state is ParamState.SHARDED
+            unit.unshard()
+            yield unit.param_names, unit.layout.views(unit.full_flat)
+            if was_sharded:
+                unit.reshard()
+
+    def write_full_parameters(self, values: dict[str, torch.Tensor]) -> None:
+        """Overwrite every parameter with the given full tensors, keeping the sharded layout."""
+        with torch.no_grad():
+            for unit in self.units:
+                if self.spec.shard_parameters:
+                    for piece in unit.pieces:
+                        full = values[unit.param_names[piece.param_index]].reshape(-1)
+                        unit.master[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
+                            full[piece.start : piece.end]
+                        )
+                    unit.reshard()
+                else:
+                    for name, view in zip(unit.param_names, unit.layout.views(unit.full_flat)):
+                        view.copy_(values[name])
+
+    def unit_of(self, param: nn.Parameter) -> tuple[ShardUnit, int]:
+        return self._unit_of_param[id(param)]

@@ -1,0 +1,57 @@
+"""Autograd plumbing for fsdp units: notice when a unit's backward starts and when it has finished."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class _AfterInputsGrad(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the gradients of those inputs exist,
+    which is when the unit's own backward has finished."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _flatten(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _flatten(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _flatten(item)]
+    return []
+
+
+def call_after_inputs_grad(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict, bool]:
+    """Route the grad-requiring tensor arguments through _AfterInputsGrad. Returns the new arguments and
+    whether any input needs a gradient (if none does, the unit's backward ends with its parameters)."""
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not positions and not keys:
+        return args, kwargs, False
+    outputs = _AfterInputsGrad.apply(callback, *[args[i] for i in positions], *[kwargs[k] for k in keys])
+    args, kwargs = list(args), dict(kwargs)
+    for i, out in zip(positions + keys, outputs):
+        if isinstance(i, int):
+            args[i] = out
+        else:
+            kwargs[i] = out
+    return tuple(args), kwargs, True
+
+
+def call_before_outputs_grad(output: Any, callback: Callable[[], None]) -> None:
+    """Run `callback` when the first gradient for any of the module's outputs arrives."""
+    for t in _flatten(output):
+        if t.requires_grad:
+            t.register_hook(lambda grad: (callback(), None)[1])

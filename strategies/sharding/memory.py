@@ -1,0 +1,35 @@
+"""Bytes the engine holds on this rank, by kind (invariant 2 of the design)."""
+
+from __future__ import annotations
+
+import resource
+
+from .engine import ShardingEngine
+from .unit import ParamState
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def memory_report(engine: ShardingEngine) -> dict[str, int]:
+    """Per-rank bytes: parameters, gradients, optimizer state, unsharded buffers in flight, padding, and the
+    process's peak resident memory (an independent measurement)."""
+    report = dict.fromkeys(["parameters", "gradients", "unsharded_in_flight", "padding"], 0)
+    for unit in engine.units:
+        pad = unit.layout.padding * unit.full_flat.element_size()
+        if engine.spec.shard_parameters:
+            report["parameters"] += _nbytes(unit.master)
+            if unit.state is not ParamState.SHARDED:
+                report["unsharded_in_flight"] += unit.full_flat.untyped_storage().nbytes()
+            pad //= engine.world_size
+        else:
+            report["parameters"] += _nbytes(unit.full_flat)
+        if engine.spec.shard_gradients:
+            report["gradients"] += _nbytes(unit.shard_grad)
+        else:
+            report["gradients"] += _nbytes(unit.grad_flat)
+        report["padding"] += pad
+    report["optimizer_state"] = engine.optimizer_state_bytes
+    report["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return report

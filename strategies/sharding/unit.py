@@ -1,0 +1,213 @@
+"""A unit: a group of parameters that is communicated together.
+
+Under fsdp a unit is a module chosen by the wrap policy (its parameters are all-gathered before it computes and
+freed after); under ddp, zero1 and zero2 a unit is a gradient bucket. Either way the unit owns one flat buffer of
+its parameters (see layout.py), one flat gradient buffer, and, when optimizer state is sharded, this rank's
+slice of both as the tensors the optimizer steps.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from .collectives import CommStats, Work, all_gather, all_reduce_mean, reduce_scatter_sum, wait
+from .layout import FlatLayout, Piece
+from .spec import ShardingSpec
+
+
+class ParamState(Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"
+    UNSHARDED = "unsharded"
+
+
+class ShardUnit:
+    def __init__(
+        self,
+        name: str,
+        params: list[tuple[str, nn.Parameter]],
+        spec: ShardingSpec,
+        rank: int,
+        world_size: int,
+        group: Any,
+        stats: CommStats,
+        module: nn.Module | None = None,
+    ) -> None:
+        self.name, self.module, self.spec = name, module, spec
+        self.rank, self.world_size, self.group, self.stats = rank, world_size, group, stats
+        self.param_names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.trainable = [p.requires_grad for p in self.params]
+        self.layout = FlatLayout([p.shape for p in self.params], world_size)
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self._build_full_buffer()
+        self._build_gradient_buffers()
+        self._build_optimizer_shard()
+        self.state = ParamState.UNSHARDED
+        self._gather_work: Work = None
+        self._reduce_work: Work = None
+        self._reduce_output: torch.Tensor | None = None
+        self.reset_backward_state()
+        if spec.shard_parameters:
+            self.reshard()
+
+    # ---- construction -------------------------------------------------------------------------------
+    def _build_full_buffer(self) -> None:
+        full = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for view, p in zip(self.layout.views(full), self.params):
+                view.copy_(p.detach())
+                p.data = view
+        self.full_flat = full
+        self._full_nbytes = full.untyped_storage().nbytes()
+
+    def _build_gradient_buffers(self) -> None:
+        self.has_trainable = any(self.trainable)
+        self.grad_flat: torch.Tensor | None = None
+        if self.has_trainable and not self.spec.shard_gradients:
+            self.grad_flat = torch.zeros_like(self.full_flat)
+            self._attach_grad_views()
+
+    def _attach_grad_views(self) -> None:
+        for view, p, trainable in zip(self.layout.views(self.grad_flat), self.params, self.trainable):
+            if trainable:
+                p.grad = view
+
+    def _build_optimizer_shard(self) -> None:
+        """This rank's slice of the parameters (fp32 master) and gradients, as the optimizer sees them."""
+        self.pieces: list[Piece] = []
+        self.shard_params: dict[int, nn.Parameter] = {}
+        if not self.spec.shard_optimizer_state:
+            return
+        lo, hi = self.layout.shard_range(self.rank)
+        own = self.full_flat[lo:hi]
+        # With replicated parameters the owned slice of the full buffer is the master copy; under fsdp the
+        # full buffer is freed between uses, so the shard needs storage of its own.
+        self.master = own.detach().clone() if self.spec.shard_parameters else own
+        if self.spec.shard_gradients:
+            self.shard_grad = torch.zeros_like(self.master)
+        else:
+            self.shard_grad = self.grad_flat[lo:hi] if self.grad_flat is not None else None
+        self.pieces = self.layout.pieces(self.rank)
+        for piece in self.pieces:
+            trainable = self.trainable[piece.param_index]
+            shard = nn.Parameter(self.master[piece.shard_offset : piece.shard_offset + piece.numel], trainable)
+            self.shard_params[piece.param_index] = shard
+        self.attach_shard_grads()
+
+    def attach_shard_grads(self) -> None:
+        """(Re)point each trainable shard parameter's .grad at its slice of the shard gradient."""
+        for piece in self.pieces:
+            if self.trainable[piece.param_index]:
+                self.shard_params[piece.param_index].grad = self.shard_grad[
+                    piece.shard_offset : piece.shard_offset + piece.numel
+                ]
+
+    # ---- parameters: unshard / reshard --------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        if self.state is not ParamState.SHARDED:
+            if not async_op:
+                self.wait_unshard()
+            return
+        self.full_flat.untyped_storage().resize_(self._full_nbytes)
+        source = self.master if self.master.dtype == self.dtype else self.master.to(self.dtype)
+        self._gather_work = all_gather(self.full_flat, source, self.group, self.stats, async_op=True)
+        self.state = ParamState.UNSHARDING
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self.state is ParamState.UNSHARDING:
+            wait(self._gather_work)
+            self._gather_work = None
+            self.state = ParamState.UNSHARDED
+
+    def reshard(self) -> None:
+        if not self.spec.shard_parameters or self.state is ParamState.SHARDED:
+            return
+        self.wait_unshard()
+        self.full_flat.untyped_storage().resize_(0)
+        self.state = ParamState.SHARDED
+
+    def gather_replicas_after_step(self) -> None:
+        """zero1/zero2: every rank updated its slice of the replicated parameters; share them."""
+        lo, hi = self.layout.shard_range(self.rank)
+        all_gather(self.full_flat, self.full_flat[lo:hi].clone(), self.group, self.stats, async_op=False)
+
+    # ---- gradients ----------------------------------------------------------------------------------
+    def reset_backward_state(self) -> None:
+        self.ready_count = 0
+        self.grads_ready = not self.has_trainable
+        self.backward_started = False
+        self.input_grad_done = False
+        self.inputs_need_grad = False
+
+    def on_grad_ready(self, index: int) -> bool:
+        """Move a freshly accumulated gradient into the unit's buffer; True when the unit's last one arrived."""
+        p = self.params[index]
+        if self.spec.shard_gradients:
+            if self.grad_flat is None:
+                self.grad_flat = torch.zeros_like(self.full_flat)
+            offset, n = self.layout.offsets[index], self.layout.numels[index]
+            self.grad_flat[offset : offset + n].view_as(p).add_(p.grad)
+            p.grad = None
+        else:
+            view = self.grad_flat[self.layout.offsets[index] : self.layout.offsets[index] + p.numel()].view_as(p)
+            if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
+                view.add_(p.grad)  # someone replaced .grad (e.g. zero_grad(set_to_none=True)); re-adopt it
+                p.grad = view
+        self.ready_count += 1
+        return self.ready_count == sum(self.trainable)
+
+    def launch_reduce(self, sync: bool) -> None:
+        """Start averaging this unit's gradients across ranks (or skip it under no_sync)."""
+        if not self.has_trainable or not sync:
+            return
+        if self.spec.shard_gradients:
+            if self.grad_flat is None:  # no parameter of this unit was used on this rank
+                self.grad_flat = torch.zeros_like(self.full_flat)
+            self._reduce_output = torch.empty_like(self.shard_grad)
+            self._reduce_work = reduce_scatter_sum(
+                self._reduce_output, self.grad_flat, self.group, self.stats, async_op=True
+            )
+        else:
+            self._reduce_work = all_reduce_mean(self.grad_flat, self.group, self.stats, async_op=True)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduction and leave the averaged gradient where the optimizer reads it."""
+        if self._reduce_work is None:
+            return
+        wait(self._reduce_work)
+        self._reduce_work = None
+        if self.spec.shard_gradients:
+            self.shard_grad.add_(self._reduce_output, alpha=1.0 / self.world_size)
+            self._reduce_output = None
+            self.grad_flat = None
+        else:
+            self.grad_flat.div_(self.world_size)
+
+    def zero_grad(self) -> None:
+        if self.spec.shard_gradients:
+            self.shard_grad.zero_()
+        elif self.grad_flat is not None:
+            self.grad_flat.zero_()
+            self._attach_grad_views()
+        if self.spec.shard_optimizer_state:
+            self.attach_shard_grads()
+
+    def local_grad_square_sum(self) -> torch.Tensor:
+        """Sum of squared gradient elements this rank is responsible for in a global norm."""
+        grad = self.shard_grad if self.spec.shard_optimizer_state else self.grad_flat
+        if grad is None:
+            return torch.zeros((), dtype=torch.float32, device=self.device)
+        return grad.float().pow(2).sum()
+
+    def scale_grads_(self, factor: torch.Tensor) -> None:
+        grad = self.shard_grad if self.spec.shard_optimizer_state else self.grad_flat
+        if grad is not None:
+            grad.mul_(factor)

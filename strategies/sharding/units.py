@@ -1,0 +1,75 @@
+"""Which parameters go in which unit: buckets for replicated parameters, wrapped modules for fsdp."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+BUCKET_ELEMENTS = 25 * 1024 * 1024 // 4  # like torch DDP's 25 MiB buckets, in fp32 elements
+
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+def unique_named_parameters(root: nn.Module) -> NamedParams:
+    """Each parameter once, under the first name it is registered with (tied weights share one entry)."""
+    return list(root.named_parameters())
+
+
+def gradient_buckets(root: nn.Module, bucket_elements: int = BUCKET_ELEMENTS) -> list[NamedParams]:
+    """Parameters in reverse registration order (roughly the order backward produces their gradients),
+    cut into buckets of at most `bucket_elements`, one dtype and device per bucket."""
+    buckets: list[NamedParams] = []
+    current: NamedParams = []
+    size = 0
+    for name, p in reversed(unique_named_parameters(root)):
+        same_kind = not current or (current[0][1].dtype, current[0][1].device) == (p.dtype, p.device)
+        if current and (size + p.numel() > bucket_elements or not same_kind):
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, p))
+        size += p.numel()
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def policy_modules(root: nn.Module, policy: Callable[[nn.Module, str], bool] | None) -> list[tuple[str, nn.Module]]:
+    """Modules the policy makes units, in registration order, plus modules marked by hand; never the root."""
+    chosen = []
+    for name, module in root.named_modules():
+        if not name:
+            continue
+        if getattr(module, "_shard_unit", False) or (policy is not None and policy(module, name)):
+            chosen.append((name, module))
+    return chosen
+
+
+def _ancestors(unit_names: list[str], module_name: str) -> list[str]:
+    """Unit names that contain `module_name` (the root, "", contains everything), shallowest first."""
+    return [u for u in unit_names if u == "" or module_name == u or module_name.startswith(u + ".")]
+
+
+def assign_to_units(root: nn.Module, unit_names: list[str]) -> dict[str, NamedParams]:
+    """Each parameter goes to the deepest unit that contains every module using it, so a tied parameter
+    (an embedding shared with the output head, say) lives in one unit that is gathered for both uses."""
+    unit_names = [""] + sorted(unit_names, key=lambda n: n.count(".") + 1 if n else 0)
+    holders: dict[int, list[str]] = {}
+    for module_name, module in root.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(module_name)
+    assigned: dict[str, NamedParams] = {name: [] for name in unit_names}
+    for name, p in unique_named_parameters(root):
+        common = set(unit_names)
+        for holder in holders[id(p)]:
+            common &= set(_ancestors(unit_names, holder))
+        owner = max(common, key=lambda n: (n.count(".") + 1 if n else 0, len(n)))
+        assigned[owner].append((name, p))
+    return assigned
+
+
+def mark_as_unit(module: nn.Module) -> nn.Module:
+    """Make `module` an fsdp unit by hand (call in configure_model)."""
+    module._shard_unit = True
+    return module

@@ -1,0 +1,49 @@
+"""Auto-wrap policies: which modules become fsdp units."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .sharding import WrapPolicy
+
+
+def module_class_policy(classes: set[type[nn.Module]]) -> WrapPolicy:
+    """Every instance of one of `classes` becomes a unit (e.g. a transformer block)."""
+    classes = tuple(classes)
+    return lambda module, name: isinstance(module, classes)
+
+
+def min_params_policy(min_num_params: int) -> WrapPolicy:
+    """A module becomes a unit when the parameters it holds outside its own child units reach
+    `min_num_params`; children are decided first, as in torch's size_based_auto_wrap_policy."""
+    unwrapped_size: dict[int, int] = {}
+
+    def size_outside_units(module: nn.Module) -> int:
+        if id(module) not in unwrapped_size:
+            direct = sum(p.numel() for p in module.parameters(recurse=False))
+            children = sum(size_outside_units(c) for c in module.children() if not is_unit(c))
+            unwrapped_size[id(module)] = direct + children
+        return unwrapped_size[id(module)]
+
+    def is_unit(module: nn.Module) -> bool:
+        return size_outside_units(module) >= min_num_params
+
+    return lambda module, name: is_unit(module)
+
+
+def resolve_wrap_policy(policy: Any) -> WrapPolicy | None:
+    if policy is None:
+        return None
+    if isinstance(policy, (set, frozenset, list, tuple)) and all(isinstance(c, type) for c in policy):
+        return module_class_policy(set(policy))
+    if isinstance(policy, int) and not isinstance(policy, bool) and policy > 0:
+        return min_params_policy(policy)
+    if callable(policy) and not isinstance(policy, type):
+        return policy
+    raise TypeError(
+        "FSDPStrategy: auto_wrap_policy must be None, a set of nn.Module classes (each instance becomes a unit), "
+        f"a positive int (minimum parameters per unit) or a callable (module, name) -> bool; got {policy!r}"
+    )
+

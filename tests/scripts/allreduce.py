@@ -1,0 +1,45 @@
+"""Rank program for tests/test_launcher.py: every rank all-reduces (rank + 1) and prints the sum.
+
+python tests/scripts/allreduce.py --devices N [--fail-rank R] [--pid-dir DIR]
+With --fail-rank R, rank R raises ValueError after the all-reduce while the others wait in a barrier.
+With --pid-dir, each rank writes its pid to DIR/rank<r>.pid, and a failing rank the time to DIR/failed_at.
+Without --devices (under torchrun) the environment is read from the variables torchrun sets.
+"""
+
+import argparse
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from trainer.launcher import detect_environment, init_process_group, launch_local_ranks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--fail-rank", type=int, default=None)
+    parser.add_argument("--pid-dir", default=None)
+    args = parser.parse_args()
+
+    env = detect_environment() or launch_local_ranks(args.devices)
+    init_process_group(env, "gloo", datetime.timedelta(seconds=120))
+    if args.pid_dir:
+        with open(os.path.join(args.pid_dir, f"rank{env.rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    total = torch.tensor([env.rank + 1.0])
+    dist.all_reduce(total)
+    print(f"rank {env.rank} of {env.world_size} on node {env.node_rank}: sum {total.item():g}", flush=True)
+    if env.rank == args.fail_rank:
+        if args.pid_dir:
+            with open(os.path.join(args.pid_dir, "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+        raise ValueError(f"boom from rank {env.rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

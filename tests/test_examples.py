@@ -1,0 +1,127 @@
+"""The examples run end to end: MNIST from idx files written here, the GPT quickstart at a tiny size."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+mnist = importlib.import_module("examples.mnist")
+gpt = importlib.import_module("examples.gpt")
+
+
+def write_idx(path: Path, data: torch.Tensor) -> None:
+    """The MNIST idx format: big-endian magic (0, 0, type 0x08 = ubyte, ndim), the dimensions, the bytes."""
+    header = struct.pack(">BBBB", 0, 0, 0x08, data.dim()) + struct.pack(f">{data.dim()}I", *data.shape)
+    path.write_bytes(header + data.to(torch.uint8).contiguous().numpy().tobytes())
+
+
+def write_mnist(root: Path, num_train: int = 64, num_test: int = 32) -> None:
+    """Digit-like images in <root>/MNIST/raw/, named as torchvision expects them after download."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for prefix, n in (("train", num_train), ("t10k", num_test)):
+        labels = torch.randint(0, 10, (n,), generator=gen)
+        images = torch.randint(0, 40, (n, 28, 28), generator=gen)
+        for i, label in enumerate(labels.tolist()):  # a bright bar whose position is the label: learnable
+            images[i, 4:24, 2 + 2 * label : 4 + 2 * label] = 255
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+
+
+@pytest.fixture(scope="module")
+def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mnist")
+    write_mnist(root)
+    return root
+
+
+def run_example(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                        "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    output = f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{output}"
+    return proc
+
+
+def test_mnist_loads_idx_files(mnist_dir: Path) -> None:
+    train, test = mnist.mnist_loaders(str(mnist_dir), batch_size=16, test_batch_size=1000, download=False)
+    assert len(train.dataset) == 64 and len(test.dataset) == 32
+    x, y = next(iter(test))
+    assert x.shape == (32, 1, 28, 28) and y.shape == (32,) and y.dtype == torch.int64
+    assert x.max() == pytest.approx((1 - 0.1307) / 0.3081, rel=1e-5)  # normalized as the recipe says
+    assert mnist.Net()(x).shape == (32, 10)
+
+
+def test_mnist_without_files_says_so(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="Dataset not found"):
+        mnist.mnist_loaders(str(tmp_path), 64, 1000, download=False)
+
+
+def test_mnist_runs_on_one_rank(mnist_dir: Path, tmp_path: Path) -> None:
+    proc = run_example("mnist.py", "--devices", "1", "--epochs", "2", "--limit-train-batches", "2",
+                       "--data-dir", str(mnist_dir), "--no-download", "--root-dir", str(tmp_path / "runs"))
+    assert "training time" in proc.stdout
+    assert "val/acc" in proc.stdout
+    assert (tmp_path / "runs").is_dir()
+
+
+def test_mnist_runs_on_two_ranks_with_ddp(mnist_dir: Path, tmp_path: Path) -> None:
+    proc = run_example("mnist.py", "--devices", "2", "--strategy", "ddp", "--epochs", "1",
+                       "--batch-size", "16", "--limit-train-batches", "2", "--data-dir", str(mnist_dir),
+                       "--no-download", "--root-dir", str(tmp_path / "runs"))
+    assert "on 2 rank(s): training time" in proc.stdout
+    assert proc.stdout.count("training time") == 1  # printed by rank 0 only
+
+
+def test_gpt_data_is_deterministic_and_split_by_file() -> None:
+    train, val = gpt.build_datasets(block_size=32, max_bytes=200_000, val_windows=64)
+    again_train, again_val = gpt.build_datasets(block_size=32, max_bytes=200_000, val_windows=64)
+    assert torch.equal(train.data, again_train.data) and torch.equal(val.data, again_val.data)
+    assert len(train.data) >= 200_000 * 0.6 and 0 < len(val.data) < len(train.data)
+    assert 60 <= len(val) <= 70
+    x, y = train[3]
+    assert x.shape == y.shape == (32,) and torch.equal(x[1:], y[:-1])
+    assert torch.equal(x, train.data[3 * 32 : 4 * 32].long())
+    assert bytes(train.data[:4].tolist()).isascii()
+    with pytest.raises(IndexError):
+        train[len(train)]
+
+
+def test_gpt_model_ties_head_and_embedding() -> None:
+    config = gpt.GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+    model = gpt.GPT(config)
+    assert model.lm_head.weight is model.wte.weight
+    assert model.num_parameters() == sum(p.numel() for p in model.state_dict().values()) - 256 * 32
+    logits = model(torch.randint(0, 256, (3, 16)))
+    assert logits.shape == (3, 16, 256)
+    assert gpt.GPT(gpt.GPT_PRESETS["30m"]).num_parameters() == pytest.approx(30e6, rel=0.1)
+
+
+def test_gpt_quickstart_runs_tiny(tmp_path: Path) -> None:
+    proc = run_example("gpt.py", "--devices", "1", "--max-steps", "4", "--val-check-interval", "2",
+                       "--batch-size", "8", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
+                       "--n-embd", "32", "--data-bytes", "100000", "--val-windows", "16",
+                       "--sample-tokens", "8", "--root-dir", str(tmp_path / "runs"))
+    out = proc.stdout
+    assert out.count("val/loss") >= 2, out
+    assert "tensorboard --logdir" in out
+    assert "sample from" in out
+    events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event file written"
+    checkpoints = [p for p in (tmp_path / "runs").rglob("checkpoints/*") if p.is_dir()]
+    assert any(p.name == "last" for p in checkpoints), checkpoints

@@ -1,0 +1,191 @@
+"""Launching ranks with real processes: local ranks, failing ranks, two torchrun nodes, the test rank pool.
+
+Importing torch takes seconds here, so the module fixture `jobs` starts every launcher command at once and
+each test waits for its own.
+"""
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.ranks import ROOT, RankFailure
+from trainer.launcher import ClusterEnvironment, detect_environment, init_process_group
+
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "allreduce.py")
+RANK_VARS = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT".split()
+
+
+class Job:
+    """A command in its own session with its output in files; the time it ended is recorded."""
+
+    def __init__(self, argv: list[str], workdir: Path) -> None:
+        self.workdir = workdir
+        workdir.mkdir()
+        env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+        with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
+            self.proc = subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True
+            )
+        self.ended: float | None = None
+        self._waiter = threading.Thread(target=self._wait, daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.ended = time.time()
+
+    def result(self, timeout: float = 90) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr); the job is killed and the test fails if it runs past `timeout`."""
+        self._waiter.join(timeout)
+        if self.ended is None:
+            self.kill()
+            pytest.fail(f"{self.proc.args} still running after {timeout} s:\n{self.read('stderr')}")
+        return self.proc.returncode, self.read("stdout"), self.read("stderr")
+
+    def read(self, name: str) -> str:
+        return (self.workdir / name).read_text()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("launcher")
+    python, port = sys.executable, _free_port()
+    torchrun = [python, "-m", "torch.distributed.run", *"--nnodes 2 --nproc-per-node 1".split()]
+    torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    commands = {
+        "two_ranks": [python, SCRIPT, "--devices", "2"],
+        "rank1_raises": [python, "-m", "tests.scripts.allreduce", "--devices", "2", "--fail-rank", "1"],
+        "rank0_raises": [python, SCRIPT, "--devices", "2", "--fail-rank", "0"],
+        "node0": [*torchrun, "--node-rank", "0", SCRIPT],
+        "node1": [*torchrun, "--node-rank", "1", SCRIPT],
+    }
+    started = {}
+    for name, argv in commands.items():
+        workdir = tmp / name
+        if "--devices" in argv:
+            argv = [*argv, "--pid-dir", str(workdir)]
+        started[name] = Job(argv, workdir)
+    yield started
+    for job in started.values():
+        job.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _assert_no_survivors(job: Job, ranks: int) -> None:
+    pids = [int((job.workdir / f"rank{r}.pid").read_text()) for r in range(ranks)]
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _alive(pid)], "rank processes survived the job"
+
+
+def test_plain_command_starts_local_ranks(jobs):
+    code, out, err = jobs["two_ranks"].result()
+    assert code == 0, err
+    assert "rank 0 of 2 on node 0: sum 3" in out and "rank 1 of 2 on node 0: sum 3" in out
+    _assert_no_survivors(jobs["two_ranks"], 2)
+
+
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_raising_rank_ends_every_rank(jobs, failing):
+    job = jobs[f"rank{failing}_raises"]
+    code, out, err = job.result()
+    assert code != 0
+    assert "sum 3" in out  # both ranks were up before the failure
+    assert f"ValueError: boom from rank {failing}" in err
+    failed_at = float(job.read("failed_at"))
+    assert job.ended - failed_at < 15, "the other rank was not stopped promptly"
+    _assert_no_survivors(job, 2)
+
+
+def test_two_torchrun_nodes(jobs):
+    for node in (0, 1):
+        code, out, err = jobs[f"node{node}"].result()
+        assert code == 0, err
+        assert f"rank {node} of 2 on node {node}: sum 3" in out
+
+
+def test_detect_environment(monkeypatch):
+    for name in RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert detect_environment() is None
+    values = dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4", LOCAL_WORLD_SIZE="2", GROUP_RANK="1")
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="MASTER_ADDR, MASTER_PORT"):
+        detect_environment()
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    assert detect_environment() == ClusterEnvironment(3, 1, 4, 2, 1, "10.0.0.1", 1234)
+
+
+# ------------------------------------------------------------------- the rank pool (tests/ranks.py)
+
+
+def body_all_reduce(offset: float) -> tuple[float, bool]:
+    """Sum of (rank + offset) over ranks, and whether init_process_group created a group (it must not)."""
+    owned = init_process_group(detect_environment(), "gloo", datetime.timedelta(seconds=10))
+    total = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(total)
+    return total.item(), owned
+
+
+def body_raise_on(rank: int, then_wait: bool) -> None:
+    if dist.get_rank() == rank:
+        raise ValueError(f"boom on rank {rank}")
+    if then_wait:
+        dist.barrier()  # never completes: the raising rank does not get there
+
+
+def test_pool_runs_a_body_on_every_rank(rank_pool):
+    assert rank_pool(2).run(body_all_reduce, 1.0) == [(3.0, False), (3.0, False)]
+
+
+def test_pool_names_the_failing_rank_and_keeps_working(rank_pool):
+    pool = rank_pool(2)
+    with pytest.raises(RankFailure, match=r"failed on rank\(s\) \[1\]") as info:
+        pool.run(body_raise_on, 1, then_wait=False)
+    assert "ValueError: boom on rank 1" in str(info.value)
+    assert isinstance(info.value.exceptions[1], ValueError) and 0 not in info.value.tracebacks
+    assert pool.run(body_all_reduce, 0.0) == [(1.0, False), (1.0, False)]
+
+
+def test_pool_restarts_when_ranks_are_stuck(rank_pool):
+    pool = rank_pool(2)
+    pool.straggler_timeout = 1.0
+    try:
+        with pytest.raises(RankFailure, match=r"rank\(s\) \[0\] did not answer"):
+            pool.run(body_raise_on, 1, then_wait=True)
+    finally:
+        pool.straggler_timeout = 20.0
+    assert pool.run(body_all_reduce, 0.0) == [(1.0, False), (1.0, False)]

@@ -1,0 +1,203 @@
+"""Checkpoint directories: written by every rank in parallel, atomically, readable anywhere.
+
+Layout of a checkpoint directory:
+  meta.json      format version, world size, strategy, and each file's size and sha256
+  rank<r>.pt     rank r's pieces of the model and optimizer state, keyed by parameter name, and its RNG states
+  trainer.pt     epoch, step, schedulers, callbacks, loss scale, the module's on_save_checkpoint additions
+Files are written into a temporary directory beside the target and renamed into place when every rank has
+finished, so a crash during a save never damages an existing checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from typing import Any
+
+import torch
+
+FORMAT_VERSION = 1
+META = "meta.json"
+TRAINER_STATE = "trainer.pt"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write(obj: Any, path: str) -> dict[str, Any]:
+    torch.save(obj, path)
+    return {"size": os.path.getsize(path), "sha256": sha256(path)}
+
+
+def save_directory(path: str, rank_state: dict[str, Any], trainer_state: dict[str, Any] | None,
+                   strategy: Any, meta: dict[str, Any]) -> None:
+    """Collective: every rank calls it with its own `rank_state`; rank 0 also passes `trainer_state`."""
+    path = os.path.abspath(os.fspath(path))
+    staging = strategy.broadcast(f"{path}.tmp-{uuid.uuid4().hex[:8]}")
+    if strategy.is_global_zero:
+        os.makedirs(staging, exist_ok=False)
+    strategy.barrier()
+    files = {f"rank{strategy.global_rank}.pt": _write(rank_state, os.path.join(staging, f"rank{strategy.global_rank}.pt"))}
+    if strategy.is_global_zero:
+        files[TRAINER_STATE] = _write(trainer_state, os.path.join(staging, TRAINER_STATE))
+    all_files: dict[str, Any] = {}
+    for part in strategy.all_gather_object(files):
+        all_files.update(part)
+    if strategy.is_global_zero:
+        meta = {"format_version": FORMAT_VERSION, "world_size": strategy.world_size, **meta, "files": all_files}
+        with open(os.path.join(staging, META), "w") as f:
+            json.dump(meta, f, indent=1)
+        _replace_directory(staging, path)
+    strategy.barrier()
+
+
+def _replace_directory(staging: str, path: str) -> None:
+    """Move the finished checkpoint into place; an older one at `path` is removed only afterwards."""
+    if os.path.exists(path):
+        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+        os.rename(staging, path)
+        shutil.rmtree(old)
+    else:
+        os.rename(staging, path)
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    path = os.fspath(path)
+    meta_path = os.path.join(path, META)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist (a checkpoint is a directory with {META})")
+    if not os.path.isfile(meta_path):
+        raise CheckpointError(f"{path!r} is not a complete checkpoint: {META} is missing")
+    with open(meta_path) as f:
+        return json.load(f)
+
+
+def load_file(path: str, name: str, meta: dict[str, Any]) -> Any:
+    """Load one file of a checkpoint after checking its size and checksum."""
+    file_path = os.path.join(path, name)
+    expected = meta["files"].get(name)
+    if expected is None or not os.path.isfile(file_path):
+        raise CheckpointError(f"checkpoint file {file_path!r} is missing")
+    if os.path.getsize(file_path) != expected["size"] or sha256(file_path) != expected["sha256"]:
+        raise CheckpointError(f"checkpoint file {file_path!r} is corrupted or truncated (checksum mismatch)")
+    return torch.load(file_path, map_location="cpu", weights_only=False)
+
+
+def _rank_files(meta: dict[str, Any]) -> list[str]:
+    return sorted((n for n in meta["files"] if n.startswith("rank")), key=lambda n: int(n[4:-3]))
+
+
+def _assemble(pieces_by_file: list[dict[str, dict[str, Any]]]) -> dict[str, torch.Tensor]:
+    """Full tensors from pieces {"shape", "start", "end", "data"} spread over files."""
+    full: dict[str, torch.Tensor] = {}
+    for pieces in pieces_by_file:
+        for name, piece in pieces.items():
+            if name not in full:
+                numel = 1
+                for s in piece["shape"]:
+                    numel *= s
+                full[name] = torch.empty(numel, dtype=piece["data"].dtype)
+            full[name][piece["start"] : piece["end"]] = piece["data"]
+    return {name: t.view(pieces_shape(pieces_by_file, name)) for name, t in full.items()}
+
+
+def pieces_shape(pieces_by_file: list[dict[str, dict[str, Any]]], name: str) -> list[int]:
+    return next(p[name]["shape"] for p in pieces_by_file if name in p)
+
+
+def load_rank_files(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    meta = read_meta(path)
+    return meta, [load_file(path, name, meta) for name in _rank_files(meta)]
+
+
+def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The plain model state dict (original names and shapes) from any checkpoint this project writes,
+    in one process with no process group."""
+    path = os.fspath(path)
+    meta, ranks = load_rank_files(path)
+    state = _assemble([r["model"] for r in ranks])
+    for alias, first in meta.get("aliases", {}).items():
+        state[alias] = state[first]
+    order = meta.get("state_dict_keys") or list(state)
+    return {k: state[k] for k in order}
+
+
+def load_full_optimizer_state(ranks: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], list[dict]]:
+    """Optimizer `index`'s state in full, keyed by parameter name, and its parameter groups."""
+    per_file = [r["optimizers"][index] for r in ranks]
+    state: dict[str, dict[str, Any]] = {}
+    for file_state in per_file:
+        for name, entries in file_state["state"].items():
+            state.setdefault(name, {})
+            for key, value in entries.items():
+                state[name].setdefault(key, value)
+    for name, entries in state.items():
+        for key, value in list(entries.items()):
+            if isinstance(value, dict) and "start" in value:
+                entries[key] = _assemble([{name: f["state"][name][key]} for f in per_file if name in f["state"]])[name]
+    groups = [dict(g) for g in per_file[0]["param_groups"]]
+    for i, group in enumerate(groups):
+        group["param_names"] = [n for f in per_file for n in f["param_groups"][i]["param_names"]]
+    return state, groups
+
+
+def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    path = os.fspath(path)
+    return load_file(path, TRAINER_STATE, read_meta(path))
+
+
+def find_last(directory: str) -> str | None:
+    """The newest complete checkpoint (one with meta.json) under `directory`, by its recorded global step."""
+    if not os.path.isdir(directory):
+        return None
+    found = []
+    for entry in os.listdir(directory):
+        full = os.path.join(directory, entry)
+        if ".tmp-" in entry or ".old-" in entry or not os.path.isfile(os.path.join(full, META)):
+            continue
+        meta = read_meta(full)
+        found.append((meta.get("global_step", -1), os.path.getmtime(os.path.join(full, META)), full))
+    return max(found)[2] if found else None
+
+
+def consolidate(path: str, out: str, with_optimizer: bool = False) -> None:
+    """Write any checkpoint as one plain file that torch.load reads."""
+    result: dict[str, Any] = load_full_state_dict(path)
+    if with_optimizer:
+        meta, ranks = load_rank_files(path)
+        optimizers = [load_full_optimizer_state(ranks, i) for i in range(len(ranks[0]["optimizers"]))]
+        result = {"state_dict": result, "optimizers": [{"state": s, "param_groups": g} for s, g in optimizers]}
+    tmp = f"{out}.tmp-{uuid.uuid4().hex[:8]}"
+    torch.save(result, tmp)
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    merge = commands.add_parser("consolidate", help="write a checkpoint as one plain torch.load file")
+    merge.add_argument("checkpoint")
+    merge.add_argument("out")
+    merge.add_argument("--with-optimizer", action="store_true", help="keep optimizer state keyed by name")
+    args = parser.parse_args(argv)
+    consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

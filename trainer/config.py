@@ -1,0 +1,65 @@
+"""Checking the Trainer's arguments before anything starts: every mistake is a clear error."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+ACCELERATORS = ("auto", "cpu", "cuda")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_accelerator(accelerator: str) -> str:
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator={accelerator!r} is not supported; choose one of {list(ACCELERATORS)}")
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ValueError("accelerator='cuda' but no CUDA device is available; use accelerator='cpu' or 'auto'")
+    return accelerator
+
+
+def check_devices(devices: Any, accelerator: str) -> int:
+    if devices == "auto":
+        return torch.cuda.device_count() if accelerator == "cuda" else 1
+    if not _is_int(devices) or devices < 1:
+        raise ValueError(f"devices={devices!r} is not valid; use a positive int (ranks per node) or 'auto'")
+    if accelerator == "cuda" and devices > torch.cuda.device_count():
+        raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} CUDA devices are available")
+    return devices
+
+
+def check_positive_int(name: str, value: Any, allow_none: bool = False, allow: tuple = ()) -> None:
+    if value in allow or (allow_none and value is None):
+        return
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name}={value!r} is not valid; use a positive int")
+
+
+def check_fraction_or_count(name: str, value: Any) -> None:
+    """Batches per epoch: a float in (0, 1] (a fraction) or an int >= 0 (a count)."""
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return
+    if _is_int(value) and value >= 0:
+        return
+    raise ValueError(f"{name}={value!r} is not valid; use a float in (0, 1] (fraction of the epoch) or an int count")
+
+
+def check_timeout(timeout: Any) -> datetime.timedelta:
+    if timeout is None:
+        return datetime.timedelta(minutes=3)
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
+        return datetime.timedelta(seconds=timeout)
+    raise ValueError(f"timeout={timeout!r} is not valid; use seconds (a positive number) or a datetime.timedelta")
+
+
+def check_clip(value: Any) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"gradient_clip_val={value!r} is not valid; use None or a positive number")

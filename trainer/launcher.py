@@ -1,0 +1,239 @@
+"""Where the ranks come from: a torchrun environment, or local ranks started by re-running this command.
+
+`launch_local_ranks` turns a plain `python script.py` into rank 0 of N: it starts ranks 1..N-1 with the
+variables torchrun would set and supervises them, so that one failing rank ends the whole job within seconds:
+- a child exiting non-zero: rank 0 reports it, stops the other children and exits with code 1;
+- rank 0 raising: its excepthook stops the children after printing the traceback;
+- rank 0 dying without cleanup (SIGKILL): each child notices that its parent is gone and exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_PARENT_PID_VAR = "TRAINER_LAUNCHER_PARENT_PID"  # set only for the children that launch_local_ranks starts
+_POLL_S = 0.2
+_GRACE_S = 3.0
+
+
+@dataclass
+class ClusterEnvironment:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables torchrun sets for this rank."""
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "ROLE_RANK": str(self.rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
+
+
+def detect_environment() -> ClusterEnvironment | None:
+    """The environment set by torchrun (or by `launch_local_ranks`); None when this is a plain process."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+    if missing:
+        raise ValueError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} not; set all of them or none")
+    world_size = int(env["WORLD_SIZE"])
+    return ClusterEnvironment(
+        rank=int(env["RANK"]),
+        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        world_size=world_size,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+        node_rank=int(env.get("GROUP_RANK", 0)),
+        master_addr=env["MASTER_ADDR"],
+        master_port=int(env["MASTER_PORT"]),
+    )
+
+
+def launch_local_ranks(num_ranks: int) -> ClusterEnvironment:
+    """Start ranks 1..num_ranks-1 on this machine by re-running this command; return rank 0's environment.
+
+    The children run `sys.executable` with this process's original arguments (`python script.py ...` and
+    `python -m pkg ...` both work) in the current directory, so call this before any `os.chdir`.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
+    if detect_environment() is not None or dist.is_initialized():
+        raise RuntimeError("launch_local_ranks was called inside an already launched rank")
+    if not sys.argv or sys.argv[0] == "":
+        raise RuntimeError("cannot start ranks from an interactive session: run a script, or use torchrun")
+    if "_pytest" in sys.modules and "pytest" in sys.argv[0]:
+        raise RuntimeError("starting ranks would re-run pytest: send the test body to the rank pool instead")
+    port = _free_port()
+    envs = [ClusterEnvironment(r, r, num_ranks, num_ranks, 0, "127.0.0.1", port) for r in range(num_ranks)]
+    os.environ.update(envs[0].to_environ())
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, _cpu_count() // num_ranks)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    command = [sys.executable, *sys.orig_argv[1:]]
+    children = {}
+    for env in envs[1:]:
+        child_env = {**os.environ, **env.to_environ(), _PARENT_PID_VAR: str(os.getpid())}
+        children[env.rank] = subprocess.Popen(command, env=child_env, start_new_session=True)
+    _Supervisor(children).start()
+    return envs[0]
+
+
+def init_process_group(env: ClusterEnvironment, backend: str, timeout: datetime.timedelta) -> bool:
+    """Join the default process group described by `env`.
+
+    Returns True when this call created it, False when it already existed (a test pool, or the user's own),
+    in which case the caller must not destroy it.
+    """
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+            raise RuntimeError(
+                f"torch.distributed is already initialized as rank {dist.get_rank()} of"
+                f" {dist.get_world_size()}, but the environment says rank {env.rank} of {env.world_size}"
+            )
+        return False
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{host}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+    return True
+
+
+def destroy_process_group_if_owned(owned: bool) -> None:
+    """Destroy the default process group if `init_process_group` created it."""
+    if owned and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class _Supervisor:
+    """Runs in rank 0: stops every child when any rank fails, and waits for the children at exit."""
+
+    def __init__(self, children: dict[int, subprocess.Popen]) -> None:
+        self.children = children
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="launcher-watchdog", daemon=True).start()
+        atexit.register(self._wait_at_exit)
+        previous_hook = sys.excepthook
+
+        def excepthook(*exc_info) -> None:
+            previous_hook(*exc_info)
+            _log("rank 0 raised; stopping all ranks")
+            self.stop()
+
+        sys.excepthook = excepthook
+
+    def stop(self) -> None:
+        """Terminate the children still running (SIGKILL after a grace period) and reap them."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            running = [p for p in self.children.values() if p.poll() is None]
+            for p in running:
+                _signal_group(p, signal.SIGTERM)
+            deadline = time.monotonic() + _GRACE_S
+            for p in running:
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _signal_group(p, signal.SIGKILL)
+                    p.wait()
+
+    def _fail(self, rank: int, code: int) -> None:
+        if self._stopped:
+            return  # the codes of children we stopped ourselves are not news
+        _log(f"rank {rank} exited with code {code}; stopping all ranks")
+        self.stop()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _watch(self) -> None:
+        while not self._stopped:
+            for rank, p in self.children.items():
+                code = p.poll()
+                if code:
+                    self._fail(rank, code)
+            time.sleep(_POLL_S)
+
+    def _wait_at_exit(self) -> None:
+        if self._stopped:
+            return
+        if dist.is_initialized():
+            dist.destroy_process_group()  # a child still waiting for rank 0 in a collective fails, not hangs
+        for p in self.children.values():
+            p.wait()
+        for rank, p in self.children.items():
+            if p.returncode:
+                self._fail(rank, p.returncode)
+
+
+def _watch_parent() -> None:
+    """In a child of `launch_local_ranks`: exit as soon as rank 0 (the parent process) is gone."""
+    parent_pid = int(os.environ.pop(_PARENT_PID_VAR))  # popped so that our own subprocesses do not watch
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_POLL_S)
+        _log(f"rank 0 (pid {parent_pid}) is gone; rank {os.environ.get('RANK')} exits")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-parent-watch", daemon=True).start()
+
+
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)  # the child leads its own group: this reaches its subprocesses too
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _log(message: str) -> None:
+    print(f"[launcher] {message}", file=sys.stderr, flush=True)
+
+
+if _PARENT_PID_VAR in os.environ:
+    _watch_parent()

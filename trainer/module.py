@@ -1,0 +1,101 @@
+"""TrainModule: the user's model plus the steps, optimizers and hooks that define how it trains."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+class TrainModule(nn.Module):
+    """Subclass it, define `training_step` and `configure_optimizers`, and hand it to `Trainer.fit`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._trainer: Trainer | None = None
+        self.hparams: dict[str, Any] = {}
+
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call trainer.fit(module) first")
+        return self._trainer
+
+    @property
+    def global_step(self) -> int:
+        return self.trainer.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.trainer.current_epoch
+
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.strategy.root_device if self._trainer else torch.device("cpu")
+
+    def save_hyperparameters(self, **hparams: Any) -> None:
+        """Record hyperparameters (logged to TensorBoard and saved in checkpoints)."""
+        self.hparams.update(hparams)
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        sync_dist: bool = False,
+    ) -> None:
+        """Log a metric. In training it defaults to per step; in validation and test to per epoch (averaged)."""
+        self.trainer.metrics.log(name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch,
+                                 sync_dist=sync_dist)
+
+    def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
+        for name, value in metrics.items():
+            self.log(name, value, **kwargs)
+
+    # ---- what the user defines ----------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define training_step(self, batch, batch_idx)")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define validation_step to validate")
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define test_step to test")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers()")
+
+    def configure_model(self) -> None:
+        """Build large layers here: it runs under the strategy's init context."""
+
+    def train_dataloader(self) -> Any:
+        return None
+
+    def val_dataloader(self) -> Any:
+        return None
+
+    def test_dataloader(self) -> Any:
+        return None
+
+    def predict_dataloader(self) -> Any:
+        return None
+
+    # ---- hooks --------------------------------------------------------------------------------------
+    def on_fit_start(self) -> None: ...
+    def on_fit_end(self) -> None: ...
+    def on_train_epoch_start(self) -> None: ...
+    def on_train_epoch_end(self) -> None: ...
+    def on_validation_epoch_start(self) -> None: ...
+    def on_validation_epoch_end(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...

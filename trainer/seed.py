@@ -1,0 +1,48 @@
+"""Seeding every random number generator a training run touches."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import torch
+
+
+def seed_everything(seed: int = 0) -> int:
+    """Seed Python, NumPy (if installed) and torch on this process; returns the seed."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed_everything: seed must be an int, got {seed!r}")
+    os.environ["PL_GLOBAL_SEED"] = str(seed)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    return seed
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])

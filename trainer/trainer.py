@@ -1,0 +1,274 @@
+"""The Trainer: the training loop, reading top to bottom. Distribution is the strategy's business."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from callbacks import Callback, Logger, ModelCheckpoint, ProgressBar, TensorBoardLogger
+from strategies import Strategy, get_strategy
+
+from . import checkpoint as ckpt_io
+from . import config, launcher
+from .data import distributed_loader
+from .metrics import MetricCollector
+from .module import TrainModule
+from .precision import Precision, check_precision
+from .state import TrainerState, configure_optimizers
+from .steps import StepRunner
+
+
+class Trainer:
+    def __init__(
+        self,
+        strategy: str | Strategy = "auto",
+        devices: int | str = "auto",
+        accelerator: str = "auto",
+        num_nodes: int = 1,
+        precision: str = "32",
+        max_epochs: int | None = None,
+        max_steps: int = -1,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        val_check_interval: int | float = 1.0,
+        limit_train_batches: int | float = 1.0,
+        limit_val_batches: int | float = 1.0,
+        limit_test_batches: int | float = 1.0,
+        log_every_n_steps: int = 50,
+        callbacks: list[Callback] | None = None,
+        logger: bool | Logger = True,
+        default_root_dir: str | os.PathLike = "runs",
+        enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
+        deterministic: bool = False,
+        timeout: Any = None,
+        sync_batchnorm: bool = False,
+        check_val_every_n_epoch: int = 1,
+    ) -> None:
+        # Every argument is checked here, before any rank is started.
+        self.accelerator = config.check_accelerator(accelerator)
+        devices = config.check_devices(devices, self.accelerator)
+        config.check_positive_int("num_nodes", num_nodes)
+        self.precision = Precision(check_precision(precision), self.accelerator)
+        config.check_positive_int("max_epochs", max_epochs, allow_none=True, allow=(-1,))
+        if not isinstance(max_steps, int) or max_steps < -1 or max_steps == 0:
+            raise ValueError(f"max_steps={max_steps!r} is not valid; use -1 (no limit) or a positive int")
+        config.check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+        config.check_clip(gradient_clip_val)
+        for name, value in [("val_check_interval", val_check_interval), ("limit_train_batches", limit_train_batches),
+                            ("limit_val_batches", limit_val_batches), ("limit_test_batches", limit_test_batches)]:
+            config.check_fraction_or_count(name, value)
+        config.check_positive_int("log_every_n_steps", log_every_n_steps)
+        config.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
+        self.strategy = self._resolve_strategy(strategy, devices * num_nodes)
+        self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
+        self.max_steps, self.accumulate_grad_batches = max_steps, accumulate_grad_batches
+        self.gradient_clip_val, self.val_check_interval = gradient_clip_val, val_check_interval
+        self.limit_train_batches, self.limit_val_batches = limit_train_batches, limit_val_batches
+        self.limit_test_batches = limit_test_batches
+        self.log_every_n_steps, self.check_val_every_n_epoch = log_every_n_steps, check_val_every_n_epoch
+        self.default_root_dir = os.fspath(default_root_dir)
+        self.sync_batchnorm, self.deterministic = sync_batchnorm, deterministic
+        self.callbacks = self._build_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
+        self.logger = self._build_logger(logger)
+        self._start_ranks(devices, num_nodes, config.check_timeout(timeout))
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.state = TrainerState()
+        self.metrics = MetricCollector(reduce_mean=lambda t: self.strategy.all_reduce(t, "mean"))
+        self.module: TrainModule | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_scheduler_configs: list[dict[str, Any]] = []
+        self.should_stop = False
+        self.ckpt_path: str | None = None
+        self.num_training_batches = 0
+        self.num_val_batches = 0
+        self.sanity_checking = False
+
+    # ---- construction helpers -----------------------------------------------------------------------
+    @staticmethod
+    def _resolve_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
+        if isinstance(strategy, Strategy):
+            return strategy
+        if not isinstance(strategy, str):
+            raise TypeError(f"strategy must be a name or a Strategy, got {type(strategy).__name__}")
+        if strategy == "auto":
+            return get_strategy("ddp" if world_size > 1 or launcher.detect_environment() else "single")
+        return get_strategy(strategy)
+
+    def _build_callbacks(self, callbacks: Any, progress_bar: bool, checkpointing: bool) -> list[Callback]:
+        callbacks = list(callbacks or [])
+        for cb in callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks: {cb!r} is not a callbacks.Callback")
+        if progress_bar and not any(isinstance(cb, ProgressBar) for cb in callbacks):
+            callbacks.append(ProgressBar())
+        if checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
+            callbacks.append(ModelCheckpoint())
+        if not checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
+            raise ValueError("enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one of them")
+        return callbacks
+
+    def _build_logger(self, logger: bool | Logger) -> Logger | None:
+        if logger is True:
+            return TensorBoardLogger(save_dir=self.default_root_dir)
+        if logger is False or logger is None:
+            return None
+        if not isinstance(logger, Logger):
+            raise TypeError(f"logger must be True, False or a callbacks.Logger, got {type(logger).__name__}")
+        return logger
+
+    def _start_ranks(self, devices: int, num_nodes: int, timeout: Any) -> None:
+        env = launcher.detect_environment()
+        if env is None and dist.is_initialized():
+            env = launcher.ClusterEnvironment(dist.get_rank(), dist.get_rank(), dist.get_world_size(),
+                                              dist.get_world_size(), 0, "", 0)
+        if env is None and devices * num_nodes > 1:
+            if num_nodes > 1:
+                raise ValueError(f"num_nodes={num_nodes}: start each node with torchrun (see README)")
+            env = launcher.launch_local_ranks(devices)
+        if env is not None and env.world_size != devices * num_nodes and devices != 1:
+            raise ValueError(f"devices={devices} x num_nodes={num_nodes} does not match the {env.world_size} ranks "
+                             "of the launched environment")
+        self._owns_process_group = False
+        if env is not None and env.world_size > 1:
+            backend = "nccl" if self.accelerator == "cuda" else "gloo"
+            self._owns_process_group = launcher.init_process_group(env, backend, timeout)
+        rank, world_size = (env.rank, env.world_size) if env else (0, 1)
+        device = torch.device("cuda", env.local_rank if env else 0) if self.accelerator == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.strategy.connect(device, world_size, rank)
+        if self.logger is not None:
+            self.logger.rank = rank
+            self.logger.version = self.strategy.broadcast(self.logger.version)
+
+    # ---- public state -------------------------------------------------------------------------------
+    global_rank = property(lambda self: self.strategy.global_rank)
+    world_size = property(lambda self: self.strategy.world_size)
+    is_global_zero = property(lambda self: self.strategy.is_global_zero)
+    global_step = property(lambda self: self.state.global_step)
+    current_epoch = property(lambda self: self.state.epoch)
+    callback_metrics = property(lambda self: self.metrics.callback_metrics)
+    progress_bar_metrics = property(lambda self: self.metrics.progress_bar_metrics)
+    loggers = property(lambda self: [self.logger] if self.logger else [])
+    log_dir = property(lambda self: self.logger.log_dir if self.logger else self.default_root_dir)
+
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
+    # ---- fit ----------------------------------------------------------------------------------------
+    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
+            ckpt_path: str | None = None) -> None:
+        self._setup(module, stage="fit")
+        train_loader = self._loader(train_dataloaders, module.train_dataloader, "train_dataloaders", required=True)
+        val_loader = self._loader(val_dataloaders, module.val_dataloader, "val_dataloaders")
+        self.optimizers, self.lr_scheduler_configs = configure_optimizers(module, self.strategy)
+        if ckpt_path is not None:
+            self._restore(ckpt_path)
+        runner = StepRunner(self, train_loader, val_loader)
+        self._run_stage("fit", runner.fit)
+
+    def validate(self, module: TrainModule | None = None, dataloaders: Any = None,
+                 ckpt_path: str | None = None) -> list[dict[str, float]]:
+        return self._evaluate("validate", module, dataloaders, ckpt_path)
+
+    def test(self, module: TrainModule | None = None, dataloaders: Any = None,
+             ckpt_path: str | None = None) -> list[dict[str, float]]:
+        return self._evaluate("test", module, dataloaders, ckpt_path)
+
+    def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
+                ckpt_path: str | None = None) -> list[Any]:
+        module = self._setup(module or self.module, stage="predict")
+        loader = self._loader(dataloaders, module.predict_dataloader, "dataloaders", required=True)
+        if ckpt_path is not None:
+            self._restore(ckpt_path, weights_only=True)
+        runner = StepRunner(self, None, loader)
+        return self._run_stage("predict", lambda: runner.predict(loader))
+
+    def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any) -> list[dict[str, float]]:
+        module = self._setup(module or self.module, stage=stage)
+        default = module.val_dataloader if stage == "validate" else module.test_dataloader
+        loader = self._loader(dataloaders, default, "dataloaders", required=True)
+        if ckpt_path is not None:
+            self._restore(ckpt_path, weights_only=True)
+        runner = StepRunner(self, None, loader)
+        return self._run_stage(stage, lambda: [runner.evaluate(loader, stage)])
+
+    # ---- pieces -------------------------------------------------------------------------------------
+    def _setup(self, module: Any, stage: str) -> TrainModule:
+        if not isinstance(module, TrainModule):
+            raise TypeError(f"{stage}: module must be a trainer.TrainModule, got {type(module).__name__}")
+        self.state.stage = stage
+        if module is self.module:
+            return module
+        module._trainer = self
+        self.module = module
+        with self.strategy.model_init_context():
+            module.configure_model()
+        if self.sync_batchnorm:
+            module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        self.precision.convert_module(module)
+        self.strategy.setup_module(module)
+        return module
+
+    def _loader(self, given: Any, default: Any, argument: str, required: bool = False) -> Any:
+        loader = given if given is not None else default()
+        if loader is None and required:
+            raise ValueError(f"{argument}: no DataLoader given and the module's hook returns None")
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        return distributed_loader(loader, self.world_size, self.global_rank, seed, argument)
+
+    def _run_stage(self, stage: str, body: Any) -> Any:
+        self._call("setup", stage=stage)
+        try:
+            return body()
+        except BaseException as error:
+            self._call("on_exception", error)
+            if self.logger is not None:
+                self.logger.finalize("failed")
+            raise
+        finally:
+            self._call("teardown", stage=stage)
+            if self.logger is not None:
+                self.logger.save()
+
+    def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
+        """Run a hook on every callback, then on the module if it defines one of that name."""
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, self.module, *args, **kwargs)
+        module_hook = getattr(self.module, hook, None)
+        if module_hook is not None and hook.startswith("on_") and hook not in ("on_exception",):
+            module_hook(*args, **kwargs)
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint directory at `path`. Collective: call it on every rank."""
+        from .state import checkpoint_state
+
+        rank_state, trainer_state, meta = checkpoint_state(self)
+        ckpt_io.save_directory(os.fspath(path), rank_state, trainer_state, self.strategy, meta)
+
+    def _restore(self, ckpt_path: str, weights_only: bool = False) -> None:
+        from .state import restore_checkpoint
+
+        if ckpt_path == "last":
+            directory = self.checkpoint_callback.dirpath if self.checkpoint_callback else None
+            found = ckpt_io.find_last(directory or os.path.join(self.log_dir or self.default_root_dir, "checkpoints"))
+            if found is None:
+                return  # nothing saved yet: start from scratch, as Lightning does
+            ckpt_path = found
+        self.ckpt_path = os.fspath(ckpt_path)
+        restore_checkpoint(self, self.ckpt_path, weights_only)
+
+    @property
+    def estimated_stepping_batches(self) -> int:
+        per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
+        by_epochs = per_epoch * self.max_epochs if self.max_epochs > 0 else float("inf")
+        return int(min(by_epochs, self.max_steps if self.max_steps > 0 else float("inf")))
+
