@@ -4,8 +4,8 @@ from .base import Strategy
 from .ddp import DDPStrategy
 from .fsdp import FSDPStrategy
 from .registry import STRATEGIES, get_strategy
-from .single import SingleDeviceStrategy
 from .sharding import mark_as_unit
+from .single import SingleDeviceStrategy
 from .zero import ZeroStrategy
 
 __all__ = [

@@ -18,7 +18,12 @@ from torch import nn
 from .sharding import ShardingEngine, ShardingSpec
 from .sharding import state_dict as engine_state
 
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "mean": dist.ReduceOp.SUM,
+}
 
 
 class Strategy:
@@ -119,8 +124,11 @@ class Strategy:
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
-        return [u.shard_grad if self.spec.shard_optimizer_state else u.grad_flat
-                for u in self.engine.units if u.has_trainable]
+        return [
+            u.shard_grad if self.spec.shard_optimizer_state else u.grad_flat
+            for u in self.engine.units
+            if u.has_trainable
+        ]
 
     # ---- state --------------------------------------------------------------------------------------
     def model_state_pieces(self) -> dict[str, Any]:

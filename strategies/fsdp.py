@@ -30,14 +30,18 @@ class FSDPStrategy(Strategy):
         if activation_checkpointing is not None:
             resolve_wrap_policy(activation_checkpointing)  # same forms as auto_wrap_policy; validate early
         if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"FSDPStrategy: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+            raise TypeError(
+                f"FSDPStrategy: reshard_after_forward must be a bool, got {reshard_after_forward!r}"
+            )
         self.reshard_after_forward = reshard_after_forward
         if cpu_offload:
             raise NotImplementedError("FSDPStrategy(cpu_offload=True) is not implemented yet")
         self.cpu_offload = cpu_offload
         if mixed_precision is not None:
-            raise NotImplementedError("FSDPStrategy(mixed_precision=...) is not implemented yet; "
-                                      "use Trainer(precision='bf16-mixed')")
+            raise NotImplementedError(
+                "FSDPStrategy(mixed_precision=...) is not implemented yet; "
+                "use Trainer(precision='bf16-mixed')"
+            )
         self.mixed_precision = mixed_precision
 
     def engine_options(self) -> dict[str, Any]:

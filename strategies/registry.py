@@ -22,5 +22,7 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {
 def get_strategy(name: str) -> Strategy:
     """A new strategy by name: one of "single", "ddp", "zero1", "zero2", "fsdp"."""
     if name not in STRATEGIES:
-        raise ValueError(f"strategy={name!r} is not known; choose one of {['auto', *STRATEGIES]} or pass a Strategy")
+        raise ValueError(
+            f"strategy={name!r} is not known; choose one of {['auto', *STRATEGIES]} or pass a Strategy"
+        )
     return STRATEGIES[name]()

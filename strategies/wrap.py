@@ -46,4 +46,3 @@ def resolve_wrap_policy(policy: Any) -> WrapPolicy | None:
         "FSDPStrategy: auto_wrap_policy must be None, a set of nn.Module classes (each instance becomes a unit), "
         f"a positive int (minimum parameters per unit) or a callable (module, name) -> bool; got {policy!r}"
     )
-

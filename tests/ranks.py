@@ -7,9 +7,9 @@ function (a test body) to the pool, every rank calls it, and `RankPool.run` retu
 
 The workers set the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), so a Trainer built in a body
 finds the environment and the already initialized process group and reuses both. After a failed call the
-process group is rebuilt (ranks may have stopped at different collectives), and ranks that do not answer
-within `straggler_timeout` seconds of the first failure (stuck in a collective) are killed; the pool then
-starts afresh at its next call.
+process group is rebuilt: a failing rank destroys its group at once, so that ranks waiting for it in a
+collective fail too instead of hanging, and then every rank joins a new group. Ranks that still do not answer
+within `straggler_timeout` seconds of the first failure are killed, and the pool starts afresh at its next call.
 
 Worker side: `python -m tests.ranks RANK WORLD_SIZE STORE_PORT CONN_FD PARENT_PID`.
 """
@@ -129,7 +129,7 @@ class RankPool:
         lines += [f"--- rank {rank} ---\n{text}" for rank, text in sorted(tracebacks.items())]
         if silent or any(reply[0] == "died" for reply in replies.values()):
             if silent:
-                lines.append(f"rank(s) {silent} did not answer (stuck in a collective?); pool restarted")
+                lines.append(f"rank(s) {silent} did not answer within {self.straggler_timeout} s; pool restarted")
             self._kill()
         elif not self._reset_group():
             self._kill()
@@ -192,9 +192,19 @@ def _call(module: str, qualname: str, args: tuple, kwargs: dict) -> tuple:
             exc_bytes = pickle.dumps(exc)
         except Exception:
             exc_bytes = None
-        return ("error", traceback.format_exc(), exc_bytes)
+        text = traceback.format_exc()
+        _abandon_group()
+        return ("error", text, exc_bytes)
     finally:
         os.chdir(ROOT)
+
+
+def _abandon_group() -> None:
+    """Destroy the group: ranks still waiting for this one in a collective then fail at once, not hang."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -9,7 +9,6 @@ from argparse import Namespace
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import (
@@ -77,14 +76,16 @@ def test_logger_writes_hyperparameters_to_hparams_and_text(tmp_path):
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
     logger = TensorBoardLogger(save_dir=tmp_path)
-    logger.log_hyperparams(Namespace(lr=0.01, layers=4, act="gelu", opt={"name": "adam", "betas": (0.9, 0.99)}))
+    params = Namespace(lr=0.01, layers=4, act="gelu", opt={"name": "adam", "betas": (0.9, 0.99)})
+    logger.log_hyperparams(params)
     logger.log_metrics({"loss": 1.0}, step=0)
     logger.finalize("success")
 
     events = read_events(logger.log_dir)
     text = events.Tensors("hparams/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "| lr | 0.01 |" in text and "| opt/betas | (0.9, 0.99) |" in text
-    session = HParamsPluginData.FromString(events.PluginTagToContent("hparams")["_hparams_/session_start_info"])
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    session = HParamsPluginData.FromString(content)
     hparams = session.session_start_info.hparams
     assert hparams["lr"].number_value == pytest.approx(0.01)
     assert hparams["act"].string_value == "gelu"
@@ -111,7 +112,7 @@ def test_logger_writes_again_after_finalize(tmp_path):
     assert scalars(read_events(logger.log_dir), "x") == [(0, 1.0), (1, 2.0)]
 
 
-# -- argument checks ------------------------------------------------------------------------------------------
+# -- argument checks -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "make, match",
     [
@@ -130,7 +131,7 @@ def test_bad_arguments_are_value_errors_naming_them(make, match):
         make()
 
 
-# -- pure logic -----------------------------------------------------------------------------------------------
+# -- pure logic ----------------------------------------------------------------------------------------------
 def test_checkpoint_names_follow_lightning_templates():
     metrics = {"epoch": 3, "step": 120, "val/loss": 0.12345, "acc": 0.9}
     assert ModelCheckpoint().format_checkpoint_name(metrics) == "epoch=3-step=120"
@@ -170,7 +171,7 @@ def test_early_stopping_state_round_trips():
     assert [restored.evaluate(2.5)[0] for _ in range(3)] == [False, False, True]
 
 
-# -- with a real Trainer --------------------------------------------------------------------------------------
+# -- with a real Trainer -------------------------------------------------------------------------------------
 class Regression(TrainModule):
     """A linear model on random data. Validation logs `val/score` = schedule[epoch] (+ `offset`), so tests can
     design the metric's course; `offset` differs per rank in distributed tests to make the ranks disagree."""
@@ -212,7 +213,8 @@ class EpochCounter(Callback):
 def loader(batches: int = 4, batch_size: int = 4) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     n = batches * batch_size
-    return DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g)), batch_size)
+    data = TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+    return DataLoader(data, batch_size)
 
 
 def make_trainer(root, **kwargs) -> Trainer:
@@ -236,7 +238,7 @@ def test_fit_writes_step_epoch_and_lr_metrics_to_tensorboard(tmp_path):
     assert [step for step, _ in scalars(events, "val/loss")] == [4, 8]
     # StepLR steps per epoch, so the lr is logged at each epoch start: before steps 0 and 4
     assert scalars(events, "lr-SGD") == [(0, pytest.approx(0.1)), (4, pytest.approx(0.05))]
-    assert "lr=0.1" in "".join(events.Tensors("hparams/text_summary")[0].tensor_proto.string_val[0].decode().split())
+    assert "| lr | 0.1 |" in events.Tensors("hparams/text_summary")[0].tensor_proto.string_val[0].decode()
     assert trainer.callback_metrics["lr-SGD"] == pytest.approx(0.05)
 
 
@@ -261,7 +263,8 @@ def test_early_stopping_stops_when_the_metric_plateaus(tmp_path):
     stopper = EarlyStopping("val/score", patience=2, min_delta=0.01)
     counter = EpochCounter()
     trainer = make_trainer(tmp_path, max_epochs=10, callbacks=[stopper, counter], logger=False)
-    trainer.fit(Regression(schedule=[1.0, 0.5, 0.4, 0.395, 0.45, 0.3, 0.2]), loader(batches=1), loader(batches=1))
+    module = Regression(schedule=[1.0, 0.5, 0.4, 0.395, 0.45, 0.3, 0.2])
+    trainer.fit(module, loader(batches=1), loader(batches=1))
 
     assert counter.epochs == [0, 1, 2, 3, 4]  # best 0.4 at epoch 2; 0.395 is within min_delta; 0.45 is worse
     assert (stopper.stopped_epoch, stopper.wait_count, stopper.best_score) == (4, 2, pytest.approx(0.4))
@@ -288,7 +291,8 @@ def test_model_checkpoint_keeps_the_best_k_and_last_and_resumes_its_bookkeeping(
 
     # Resume from `last`: 0.95 at epoch 5 pushes out epoch 3 (0.8); 0.1 at epoch 6 is not kept.
     resumed = ModelCheckpoint(dirpath, monitor="val/score", mode="max", save_top_k=2, save_last=True)
-    trainer = make_trainer(tmp_path, max_epochs=7, callbacks=[resumed], enable_checkpointing=True, logger=False)
+    trainer = make_trainer(tmp_path, max_epochs=7, callbacks=[resumed], enable_checkpointing=True,
+                           logger=False)
     with pytest.warns(UserWarning, match="exists and is not empty"):
         trainer.fit(Regression(schedule), loader(batches=2), loader(batches=1), ckpt_path=dirpath / "last")
     assert checkpoint_dirs(dirpath) == ["epoch=1-step=4", "epoch=5-step=12", "last"]
@@ -322,3 +326,32 @@ def test_progress_bar_shows_epochs_loss_and_prog_bar_metrics_without_a_tty(tmp_p
     assert "Epoch 0: 100%" in err and "Epoch 1: 100%" in err and "4/4" in err
     assert "loss=" in err and "step=8" in err and "train/loss=" in err
     assert err.rstrip().splitlines()[-1].startswith("Validation: 100%")  # a standalone validation bar stays
+
+
+# -- on two ranks ---------------------------------------------------------------------------------------------
+def _two_rank_body(root: str) -> dict:
+    """Each rank logs its own (unsynced) `val/score`: rank 0's plateaus, rank 1's keeps improving. The
+    callbacks must follow rank 0 on both ranks and only rank 0 may write TensorBoard files."""
+    rank = int(os.environ["RANK"])
+    schedule = [[1.0, 0.5, 0.6, 0.7, 0.8], [1.0, 0.9, 0.8, 0.7, 0.6]][rank]
+    stopper = EarlyStopping("val/score", patience=1)
+    saver = ModelCheckpoint(monitor="val/score", save_top_k=2)
+    counter = EpochCounter()
+    trainer = make_trainer(root, strategy="ddp", devices=2, max_epochs=5, enable_checkpointing=True,
+                           callbacks=[stopper, saver, counter, LearningRateMonitor()])
+    trainer.fit(Regression(schedule), loader(batches=2), loader(batches=1))
+    return {"epochs": counter.epochs, "stopped": stopper.stopped_epoch, "log_dir": trainer.log_dir,
+            "kept": sorted(map(os.path.basename, saver.best_k_models)), "best": saver.best_model_path,
+            "files": sorted(os.listdir(trainer.log_dir))}
+
+
+def test_two_ranks_take_rank_zero_decisions_and_only_rank_zero_writes(rank_pool, tmp_path):
+    results = rank_pool(2).run(_two_rank_body, str(tmp_path))
+
+    assert results[0] == results[1]
+    result = results[0]
+    assert result["epochs"] == [0, 1, 2] and result["stopped"] == 2
+    assert result["kept"] == ["epoch=1-step=2", "epoch=2-step=3"]
+    assert result["files"] == ["checkpoints", *[f for f in result["files"] if f.startswith("events.")]]
+    assert len(result["files"]) == 2  # one event file: rank 1 wrote none
+    assert scalars(read_events(result["log_dir"]), "lr-SGD") == [(0, 0.1), (1, 0.05), (2, 0.025)]

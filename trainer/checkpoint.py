@@ -41,22 +41,36 @@ def _write(obj: Any, path: str) -> dict[str, Any]:
     return {"size": os.path.getsize(path), "sha256": sha256(path)}
 
 
-def save_directory(path: str, rank_state: dict[str, Any], trainer_state: dict[str, Any] | None,
-                   strategy: Any, meta: dict[str, Any]) -> None:
+def save_directory(
+    path: str,
+    rank_state: dict[str, Any],
+    trainer_state: dict[str, Any] | None,
+    strategy: Any,
+    meta: dict[str, Any],
+) -> None:
     """Collective: every rank calls it with its own `rank_state`; rank 0 also passes `trainer_state`."""
     path = os.path.abspath(os.fspath(path))
     staging = strategy.broadcast(f"{path}.tmp-{uuid.uuid4().hex[:8]}")
     if strategy.is_global_zero:
         os.makedirs(staging, exist_ok=False)
     strategy.barrier()
-    files = {f"rank{strategy.global_rank}.pt": _write(rank_state, os.path.join(staging, f"rank{strategy.global_rank}.pt"))}
+    files = {
+        f"rank{strategy.global_rank}.pt": _write(
+            rank_state, os.path.join(staging, f"rank{strategy.global_rank}.pt")
+        )
+    }
     if strategy.is_global_zero:
         files[TRAINER_STATE] = _write(trainer_state, os.path.join(staging, TRAINER_STATE))
     all_files: dict[str, Any] = {}
     for part in strategy.all_gather_object(files):
         all_files.update(part)
     if strategy.is_global_zero:
-        meta = {"format_version": FORMAT_VERSION, "world_size": strategy.world_size, **meta, "files": all_files}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "world_size": strategy.world_size,
+            **meta,
+            "files": all_files,
+        }
         with open(os.path.join(staging, META), "w") as f:
             json.dump(meta, f, indent=1)
         _replace_directory(staging, path)
@@ -78,7 +92,9 @@ def read_meta(path: str) -> dict[str, Any]:
     path = os.fspath(path)
     meta_path = os.path.join(path, META)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint {path!r} does not exist (a checkpoint is a directory with {META})")
+        raise FileNotFoundError(
+            f"checkpoint {path!r} does not exist (a checkpoint is a directory with {META})"
+        )
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{path!r} is not a complete checkpoint: {META} is missing")
     with open(meta_path) as f:
@@ -147,7 +163,9 @@ def load_full_optimizer_state(ranks: list[dict[str, Any]], index: int) -> tuple[
     for name, entries in state.items():
         for key, value in list(entries.items()):
             if isinstance(value, dict) and "start" in value:
-                entries[key] = _assemble([{name: f["state"][name][key]} for f in per_file if name in f["state"]])[name]
+                entries[key] = _assemble(
+                    [{name: f["state"][name][key]} for f in per_file if name in f["state"]]
+                )[name]
     groups = [dict(g) for g in per_file[0]["param_groups"]]
     for i, group in enumerate(groups):
         group["param_names"] = [n for f in per_file for n in f["param_groups"][i]["param_names"]]
@@ -179,7 +197,10 @@ def consolidate(path: str, out: str, with_optimizer: bool = False) -> None:
     if with_optimizer:
         meta, ranks = load_rank_files(path)
         optimizers = [load_full_optimizer_state(ranks, i) for i in range(len(ranks[0]["optimizers"]))]
-        result = {"state_dict": result, "optimizers": [{"state": s, "param_groups": g} for s, g in optimizers]}
+        result = {
+            "state_dict": result,
+            "optimizers": [{"state": s, "param_groups": g} for s, g in optimizers],
+        }
     tmp = f"{out}.tmp-{uuid.uuid4().hex[:8]}"
     torch.save(result, tmp)
     os.replace(tmp, out)

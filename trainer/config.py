@@ -20,7 +20,9 @@ def check_accelerator(accelerator: str) -> str:
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ValueError("accelerator='cuda' but no CUDA device is available; use accelerator='cpu' or 'auto'")
+        raise ValueError(
+            "accelerator='cuda' but no CUDA device is available; use accelerator='cpu' or 'auto'"
+        )
     return accelerator
 
 
@@ -47,7 +49,9 @@ def check_fraction_or_count(name: str, value: Any) -> None:
         return
     if _is_int(value) and value >= 0:
         return
-    raise ValueError(f"{name}={value!r} is not valid; use a float in (0, 1] (fraction of the epoch) or an int count")
+    raise ValueError(
+        f"{name}={value!r} is not valid; use a float in (0, 1] (fraction of the epoch) or an int count"
+    )
 
 
 def check_timeout(timeout: Any) -> datetime.timedelta:
@@ -57,7 +61,9 @@ def check_timeout(timeout: Any) -> datetime.timedelta:
         return timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
         return datetime.timedelta(seconds=timeout)
-    raise ValueError(f"timeout={timeout!r} is not valid; use seconds (a positive number) or a datetime.timedelta")
+    raise ValueError(
+        f"timeout={timeout!r} is not valid; use seconds (a positive number) or a datetime.timedelta"
+    )
 
 
 def check_clip(value: Any) -> None:

@@ -24,16 +24,30 @@ def distributed_loader(loader: Any, world_size: int, rank: int, seed: int, argum
     if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) or loader.batch_size is None:
         if world_size == 1:
             return loader
-        raise ValueError(f"{argument}: a DataLoader with a custom sampler or batch_sampler cannot be split across "
-                         f"{world_size} ranks automatically; give it a DistributedSampler yourself")
-    sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
-                                 shuffle=isinstance(loader.sampler, RandomSampler), seed=seed,
-                                 drop_last=loader.drop_last)
+        raise ValueError(
+            f"{argument}: a DataLoader with a custom sampler or batch_sampler cannot be split across "
+            f"{world_size} ranks automatically; give it a DistributedSampler yourself"
+        )
+    sampler = DistributedSampler(
+        loader.dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        drop_last=loader.drop_last,
+    )
     return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=sampler, num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, drop_last=loader.drop_last,
-        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers,
     )
@@ -58,6 +72,8 @@ def limit_batches(loader: Any, limit: int | float, argument: str) -> int:
         if available is None:
             if limit == 1.0:
                 return 2**62
-            raise ValueError(f"{argument}={limit} needs a loader with a length; give an int number of batches")
+            raise ValueError(
+                f"{argument}={limit} needs a loader with a length; give an int number of batches"
+            )
         return int(available * limit)
     return limit if available is None else min(limit, available)

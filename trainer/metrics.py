@@ -30,8 +30,15 @@ class MetricCollector:
     progress_bar_metrics: dict[str, float] = field(default_factory=dict)
     _epoch: dict[str, _EpochValue] = field(default_factory=dict)
 
-    def log(self, name: str, value: Any, prog_bar: bool, on_step: bool | None, on_epoch: bool | None,
-            sync_dist: bool) -> None:
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        sync_dist: bool,
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log: name must be a non-empty string, got {name!r}")
         value = self._as_scalar(name, value)
@@ -39,7 +46,9 @@ class MetricCollector:
         on_step = training if on_step is None else on_step
         on_epoch = (not training) if on_epoch is None else on_epoch
         if not on_step and not on_epoch:
-            raise ValueError(f"self.log({name!r}): on_step and on_epoch are both False, so nothing would be logged")
+            raise ValueError(
+                f"self.log({name!r}): on_step and on_epoch are both False, so nothing would be logged"
+            )
         if on_step:
             step_value = self.reduce_mean(value) if sync_dist else value
             step_name = f"{name}_step" if on_epoch else name
@@ -55,11 +64,15 @@ class MetricCollector:
     def _as_scalar(name: str, value: Any) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(f"self.log({name!r}): expected a scalar, got a tensor of shape {tuple(value.shape)}")
+                raise ValueError(
+                    f"self.log({name!r}): expected a scalar, got a tensor of shape {tuple(value.shape)}"
+                )
             return value.detach().reshape(()).float()
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return torch.tensor(float(value))
-        raise TypeError(f"self.log({name!r}): value must be a number or a one-element tensor, got {type(value).__name__}")
+        raise TypeError(
+            f"self.log({name!r}): value must be a number or a one-element tensor, got {type(value).__name__}"
+        )
 
     def _publish(self, name: str, value: torch.Tensor, prog_bar: bool) -> None:
         self.callback_metrics[name] = value.detach().cpu()

@@ -22,7 +22,9 @@ class TrainModule(nn.Module):
     @property
     def trainer(self) -> Trainer:
         if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call trainer.fit(module) first")
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a Trainer; call trainer.fit(module) first"
+            )
         return self._trainer
 
     @property
@@ -51,8 +53,9 @@ class TrainModule(nn.Module):
         sync_dist: bool = False,
     ) -> None:
         """Log a metric. In training it defaults to per step; in validation and test to per epoch (averaged)."""
-        self.trainer.metrics.log(name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch,
-                                 sync_dist=sync_dist)
+        self.trainer.metrics.log(
+            name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch, sync_dist=sync_dist
+        )
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():

@@ -21,7 +21,9 @@ class TrainerState:
     stage: str = "fit"
     epoch: int = 0
     global_step: int = 0
-    batches_done_in_epoch: int = 0  # micro-batches of the current epoch already trained (for mid-epoch resume)
+    batches_done_in_epoch: int = (
+        0  # micro-batches of the current epoch already trained (for mid-epoch resume)
+    )
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
@@ -47,19 +49,27 @@ def _scheduler_config(scheduler: Any) -> dict[str, Any]:
     return cfg
 
 
-def configure_optimizers(module: Any, strategy: Any) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
+def configure_optimizers(
+    module: Any, strategy: Any
+) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
     """Call the module's configure_optimizers (after the strategy set the model up) and normalise the result."""
     result = module.configure_optimizers()
     scheduler = None
     if isinstance(result, torch.optim.Optimizer):
         optimizer = result
-    elif isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.optim.Optimizer):
+    elif (
+        isinstance(result, (tuple, list))
+        and len(result) == 2
+        and isinstance(result[0], torch.optim.Optimizer)
+    ):
         optimizer, scheduler = result
     elif isinstance(result, dict) and isinstance(result.get("optimizer"), torch.optim.Optimizer):
         optimizer, scheduler = result["optimizer"], result.get("lr_scheduler")
     else:
-        raise TypeError("configure_optimizers must return an optimizer, (optimizer, scheduler) or "
-                        f"{{'optimizer': ..., 'lr_scheduler': ...}}; got {type(result).__name__}")
+        raise TypeError(
+            "configure_optimizers must return an optimizer, (optimizer, scheduler) or "
+            f"{{'optimizer': ..., 'lr_scheduler': ...}}; got {type(result).__name__}"
+        )
     optimizer = strategy.setup_optimizer(optimizer)
     configs = [_scheduler_config(scheduler)] if scheduler is not None else []
     return [optimizer], configs
@@ -110,8 +120,10 @@ def restore_checkpoint(trainer: Trainer, path: str, weights_only: bool) -> None:
     for index, optimizer in enumerate(trainer.optimizers):
         state, groups = ckpt_io.load_full_optimizer_state(ranks, index)
         if len(groups) != len(optimizer.param_groups):
-            raise ValueError(f"checkpoint {path!r}: optimizer has {len(groups)} parameter groups, "
-                             f"the module's optimizer has {len(optimizer.param_groups)}")
+            raise ValueError(
+                f"checkpoint {path!r}: optimizer has {len(groups)} parameter groups, "
+                f"the module's optimizer has {len(optimizer.param_groups)}"
+            )
         trainer.strategy.load_optimizer_state(optimizer, state, groups)
     for cfg, sched_state in zip(trainer.lr_scheduler_configs, saved["lr_schedulers"]):
         cfg["scheduler"].load_state_dict(sched_state)

@@ -23,7 +23,9 @@ class StepRunner:
     # ---- fit ----------------------------------------------------------------------------------------
     def fit(self) -> None:
         t = self.trainer
-        t.num_training_batches = limit_batches(self.train_loader, t.limit_train_batches, "limit_train_batches")
+        t.num_training_batches = limit_batches(
+            self.train_loader, t.limit_train_batches, "limit_train_batches"
+        )
         if self.val_loader is not None:
             t.num_val_batches = limit_batches(self.val_loader, t.limit_val_batches, "limit_val_batches")
         self._log_start()
@@ -91,7 +93,9 @@ class StepRunner:
         interval = t.val_check_interval
         if isinstance(interval, float):
             every = max(1, int(t.num_training_batches * interval))
-            return (batch_idx + 1) % every == 0 or (interval == 1.0 and batch_idx + 1 == t.num_training_batches)
+            return (batch_idx + 1) % every == 0 or (
+                interval == 1.0 and batch_idx + 1 == t.num_training_batches
+            )
         return (batch_idx + 1) % interval == 0
 
     # ---- one training batch -------------------------------------------------------------------------
@@ -99,7 +103,9 @@ class StepRunner:
         t = self.trainer
         batch = move_to_device(batch, self.strategy.root_device)
         t._call("on_train_batch_start", batch, batch_idx)
-        window_end = (batch_idx + 1) % t.accumulate_grad_batches == 0 or batch_idx + 1 == t.num_training_batches
+        window_end = (
+            batch_idx + 1
+        ) % t.accumulate_grad_batches == 0 or batch_idx + 1 == t.num_training_batches
         with t.precision.autocast():
             output = self.strategy.call(self.module.training_step, batch, batch_idx)
         loss = self._loss_from(output, batch_idx)
@@ -133,8 +139,10 @@ class StepRunner:
         if all(flags) or not any(flags):
             return skip
         skipping = [rank for rank, f in enumerate(flags) if f]
-        raise RuntimeError(f"training_step returned None on rank(s) {skipping} but not on the others at epoch "
-                           f"{self.trainer.current_epoch}, batch {batch_idx}; every rank must skip the same batch")
+        raise RuntimeError(
+            f"training_step returned None on rank(s) {skipping} but not on the others at epoch "
+            f"{self.trainer.current_epoch}, batch {batch_idx}; every rank must skip the same batch"
+        )
 
     def _optimizer_step(self) -> None:
         t = self.trainer

@@ -59,8 +59,12 @@ class Trainer:
             raise ValueError(f"max_steps={max_steps!r} is not valid; use -1 (no limit) or a positive int")
         config.check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
         config.check_clip(gradient_clip_val)
-        for name, value in [("val_check_interval", val_check_interval), ("limit_train_batches", limit_train_batches),
-                            ("limit_val_batches", limit_val_batches), ("limit_test_batches", limit_test_batches)]:
+        for name, value in [
+            ("val_check_interval", val_check_interval),
+            ("limit_train_batches", limit_train_batches),
+            ("limit_val_batches", limit_val_batches),
+            ("limit_test_batches", limit_test_batches),
+        ]:
             config.check_fraction_or_count(name, value)
         config.check_positive_int("log_every_n_steps", log_every_n_steps)
         config.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
@@ -110,7 +114,9 @@ class Trainer:
         if checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             callbacks.append(ModelCheckpoint())
         if not checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
-            raise ValueError("enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one of them")
+            raise ValueError(
+                "enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one of them"
+            )
         return callbacks
 
     def _build_logger(self, logger: bool | Logger) -> Logger | None:
@@ -125,21 +131,28 @@ class Trainer:
     def _start_ranks(self, devices: int, num_nodes: int, timeout: Any) -> None:
         env = launcher.detect_environment()
         if env is None and dist.is_initialized():
-            env = launcher.ClusterEnvironment(dist.get_rank(), dist.get_rank(), dist.get_world_size(),
-                                              dist.get_world_size(), 0, "", 0)
+            env = launcher.ClusterEnvironment(
+                dist.get_rank(), dist.get_rank(), dist.get_world_size(), dist.get_world_size(), 0, "", 0
+            )
         if env is None and devices * num_nodes > 1:
             if num_nodes > 1:
                 raise ValueError(f"num_nodes={num_nodes}: start each node with torchrun (see README)")
             env = launcher.launch_local_ranks(devices)
         if env is not None and env.world_size != devices * num_nodes and devices != 1:
-            raise ValueError(f"devices={devices} x num_nodes={num_nodes} does not match the {env.world_size} ranks "
-                             "of the launched environment")
+            raise ValueError(
+                f"devices={devices} x num_nodes={num_nodes} does not match the {env.world_size} ranks "
+                "of the launched environment"
+            )
         self._owns_process_group = False
         if env is not None and env.world_size > 1:
             backend = "nccl" if self.accelerator == "cuda" else "gloo"
             self._owns_process_group = launcher.init_process_group(env, backend, timeout)
         rank, world_size = (env.rank, env.world_size) if env else (0, 1)
-        device = torch.device("cuda", env.local_rank if env else 0) if self.accelerator == "cuda" else torch.device("cpu")
+        device = (
+            torch.device("cuda", env.local_rank if env else 0)
+            if self.accelerator == "cuda"
+            else torch.device("cpu")
+        )
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.strategy.connect(device, world_size, rank)
@@ -163,10 +176,17 @@ class Trainer:
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
 
     # ---- fit ----------------------------------------------------------------------------------------
-    def fit(self, module: TrainModule, train_dataloaders: Any = None, val_dataloaders: Any = None,
-            ckpt_path: str | None = None) -> None:
+    def fit(
+        self,
+        module: TrainModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        ckpt_path: str | None = None,
+    ) -> None:
         self._setup(module, stage="fit")
-        train_loader = self._loader(train_dataloaders, module.train_dataloader, "train_dataloaders", required=True)
+        train_loader = self._loader(
+            train_dataloaders, module.train_dataloader, "train_dataloaders", required=True
+        )
         val_loader = self._loader(val_dataloaders, module.val_dataloader, "val_dataloaders")
         self.optimizers, self.lr_scheduler_configs = configure_optimizers(module, self.strategy)
         if ckpt_path is not None:
@@ -174,16 +194,19 @@ class Trainer:
         runner = StepRunner(self, train_loader, val_loader)
         self._run_stage("fit", runner.fit)
 
-    def validate(self, module: TrainModule | None = None, dataloaders: Any = None,
-                 ckpt_path: str | None = None) -> list[dict[str, float]]:
+    def validate(
+        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
+    ) -> list[dict[str, float]]:
         return self._evaluate("validate", module, dataloaders, ckpt_path)
 
-    def test(self, module: TrainModule | None = None, dataloaders: Any = None,
-             ckpt_path: str | None = None) -> list[dict[str, float]]:
+    def test(
+        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
+    ) -> list[dict[str, float]]:
         return self._evaluate("test", module, dataloaders, ckpt_path)
 
-    def predict(self, module: TrainModule | None = None, dataloaders: Any = None,
-                ckpt_path: str | None = None) -> list[Any]:
+    def predict(
+        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
+    ) -> list[Any]:
         module = self._setup(module or self.module, stage="predict")
         loader = self._loader(dataloaders, module.predict_dataloader, "dataloaders", required=True)
         if ckpt_path is not None:
@@ -259,7 +282,9 @@ class Trainer:
 
         if ckpt_path == "last":
             directory = self.checkpoint_callback.dirpath if self.checkpoint_callback else None
-            found = ckpt_io.find_last(directory or os.path.join(self.log_dir or self.default_root_dir, "checkpoints"))
+            found = ckpt_io.find_last(
+                directory or os.path.join(self.log_dir or self.default_root_dir, "checkpoints")
+            )
             if found is None:
                 return  # nothing saved yet: start from scratch, as Lightning does
             ckpt_path = found
@@ -271,4 +296,3 @@ class Trainer:
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
         by_epochs = per_epoch * self.max_epochs if self.max_epochs > 0 else float("inf")
         return int(min(by_epochs, self.max_steps if self.max_steps > 0 else float("inf")))
-

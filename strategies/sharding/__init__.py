@@ -4,4 +4,13 @@ from .engine import ShardingEngine, WrapPolicy
 from .spec import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingSpec
 from .units import mark_as_unit
 
-__all__ = ["FULL_SHARD", "REPLICATED", "ZERO1", "ZERO2", "ShardingEngine", "ShardingSpec", "WrapPolicy", "mark_as_unit"]
+__all__ = [
+    "FULL_SHARD",
+    "REPLICATED",
+    "ZERO1",
+    "ZERO2",
+    "ShardingEngine",
+    "ShardingSpec",
+    "WrapPolicy",
+    "mark_as_unit",
+]

@@ -47,7 +47,9 @@ def all_reduce_mean(buffer: torch.Tensor, group: Any, stats: CommStats, async_op
     return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:
+def reduce_scatter_sum(
+    shard: torch.Tensor, full: torch.Tensor, group: Any, stats: CommStats, async_op: bool
+) -> Work:
     """Sum `full` across ranks and leave this rank's slice in `shard`."""
     if _alone(group):
         shard.copy_(full)

@@ -58,7 +58,9 @@ class ShardingEngine:
         """Rank 0's buffers are the truth (parameters are broadcast per unit, see _build_units)."""
         if self.world_size > 1:
             for b in self.module.buffers():
-                dist.broadcast(b.data, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+                dist.broadcast(
+                    b.data, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+                )
 
     def _build_units(self, wrap_policy: WrapPolicy | None) -> list[ShardUnit]:
         if self.spec.shard_parameters:
@@ -66,7 +68,9 @@ class ShardingEngine:
             assigned = assign_to_units(self.module, [n for n, _ in wrapped])
             modules = dict(wrapped)
             # Gradients become ready in reverse forward order: last-registered units first, the root last.
-            groups = [(n, modules[n], assigned[n]) for n, _ in reversed(wrapped)] + [("", self.module, assigned[""])]
+            groups = [(n, modules[n], assigned[n]) for n, _ in reversed(wrapped)] + [
+                ("", self.module, assigned[""])
+            ]
         else:
             groups = [(f"bucket{i}", None, b) for i, b in enumerate(gradient_buckets(self.module))]
         units = []
@@ -79,7 +83,9 @@ class ShardingEngine:
     def _broadcast_params(self, params: list[tuple[str, nn.Parameter]]) -> None:
         if self.world_size > 1:
             flat = torch.cat([p.detach().reshape(-1) for _, p in params])
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+            dist.broadcast(
+                flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+            )
             offset = 0
             with torch.no_grad():
                 for _, p in params:
@@ -89,8 +95,10 @@ class ShardingEngine:
     def _new_unit(self, name: str, params: list, module: nn.Module | None) -> ShardUnit:
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) > 1:
-            raise ValueError(f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-                             "wrap the modules of each dtype as separate units")
+            raise ValueError(
+                f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                "wrap the modules of each dtype as separate units"
+            )
         return ShardUnit(name, params, self.spec, self.rank, self.world_size, self.group, self.stats, module)
 
     def _register_grad_hooks(self) -> None:
@@ -187,7 +195,9 @@ class ShardingEngine:
     def _launch_ready_reductions(self) -> None:
         """Collectives must be issued in the same order on every rank, so reductions start in a fixed order."""
         sync = self.sync_gradients or self.spec.shard_gradients
-        while self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce].grads_ready:
+        while (
+            self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce].grads_ready
+        ):
             self._reduce_order[self._next_reduce].launch_reduce(sync)
             self._next_reduce += 1
 
@@ -218,10 +228,14 @@ class ShardingEngine:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if id(p) not in self._unit_of_param:
-                    raise ValueError("configure_optimizers: the optimizer holds a tensor that is not a parameter "
-                                     f"of the module (shape {tuple(p.shape)})")
+                    raise ValueError(
+                        "configure_optimizers: the optimizer holds a tensor that is not a parameter "
+                        f"of the module (shape {tuple(p.shape)})"
+                    )
         if optimizer.state:
-            raise ValueError("configure_optimizers: the optimizer already has state; return a fresh optimizer")
+            raise ValueError(
+                "configure_optimizers: the optimizer already has state; return a fresh optimizer"
+            )
         self.optimizers.append(optimizer)
         if self.spec.shard_optimizer_state:
             for group in optimizer.param_groups:
@@ -230,8 +244,13 @@ class ShardingEngine:
 
     @property
     def optimizer_state_bytes(self) -> int:
-        return sum(v.numel() * v.element_size() for opt in self.optimizers for state in opt.state.values()
-                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return sum(
+            v.numel() * v.element_size()
+            for opt in self.optimizers
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
 
     def shard_of(self, param: nn.Parameter) -> nn.Parameter | None:
         unit, index = self._unit_of_param[id(param)]

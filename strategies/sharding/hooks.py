@@ -33,7 +33,9 @@ def _flatten(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def call_after_inputs_grad(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict, bool]:
+def call_after_inputs_grad(
+    args: tuple, kwargs: dict, callback: Callable[[], None]
+) -> tuple[tuple, dict, bool]:
     """Route the grad-requiring tensor arguments through _AfterInputsGrad. Returns the new arguments and
     whether any input needs a gradient (if none does, the unit's backward ends with its parameters)."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]

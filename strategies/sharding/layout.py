@@ -62,4 +62,6 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's full-shape view into an unsharded flat buffer."""
-        return [flat[off : off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        return [
+            flat[off : off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)
+        ]

@@ -18,8 +18,13 @@ Pieces = dict[str, dict[str, Any]]
 
 
 def _piece(shape: torch.Size, start: int, end: int, data: torch.Tensor) -> dict[str, Any]:
-    return {"shape": list(shape), "dtype": str(data.dtype).removeprefix("torch."), "start": start, "end": end,
-            "data": data.detach().reshape(-1).cpu().clone()}
+    return {
+        "shape": list(shape),
+        "dtype": str(data.dtype).removeprefix("torch."),
+        "start": start,
+        "end": end,
+        "data": data.detach().reshape(-1).cpu().clone(),
+    }
 
 
 def _owned_pieces(engine: ShardingEngine) -> list[tuple[str, int, int, torch.Tensor, torch.Tensor]]:
@@ -43,7 +48,9 @@ def _shape_of(engine: ShardingEngine, name: str) -> torch.Size:
 
 def model_pieces(engine: ShardingEngine) -> Pieces:
     """This rank's parameter pieces plus, on rank 0, every other state-dict entry (buffers) in full."""
-    pieces = {name: _piece(_shape_of(engine, name), s, e, data) for name, s, e, data, _ in _owned_pieces(engine)}
+    pieces = {
+        name: _piece(_shape_of(engine, name), s, e, data) for name, s, e, data, _ in _owned_pieces(engine)
+    }
     if engine.rank == 0:
         params = {id(p) for p in engine.module.parameters()}
         for key, value in engine.module.state_dict(keep_vars=True).items():
@@ -101,7 +108,9 @@ def optimizer_pieces(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -
 
 
 def load_optimizer_state(
-    engine: ShardingEngine, optimizer: torch.optim.Optimizer, full_state: dict[str, dict[str, Any]],
+    engine: ShardingEngine,
+    optimizer: torch.optim.Optimizer,
+    full_state: dict[str, dict[str, Any]],
     param_groups: list[dict[str, Any]],
 ) -> None:
     """Load optimizer state given in full (name -> key -> full tensor or scalar) into this rank's layout."""
@@ -116,7 +125,11 @@ def load_optimizer_state(
             piece = next((p for p in unit.pieces if p.param_index == index), None)
             state = {}
             for key, value in saved.items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.numel() == unit.layout.numels[index]:
+                if (
+                    isinstance(value, torch.Tensor)
+                    and key != "step"
+                    and value.numel() == unit.layout.numels[index]
+                ):
                     flat = value.reshape(-1)
                     value = flat[piece.start : piece.end] if piece is not None else value
                     value = value.to(target.device).clone().view(target.shape)

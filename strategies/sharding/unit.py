@@ -96,7 +96,9 @@ class ShardUnit:
         self.pieces = self.layout.pieces(self.rank)
         for piece in self.pieces:
             trainable = self.trainable[piece.param_index]
-            shard = nn.Parameter(self.master[piece.shard_offset : piece.shard_offset + piece.numel], trainable)
+            shard = nn.Parameter(
+                self.master[piece.shard_offset : piece.shard_offset + piece.numel], trainable
+            )
             self.shard_params[piece.param_index] = shard
         self.attach_shard_grads()
 
@@ -157,7 +159,9 @@ class ShardUnit:
             self.grad_flat[offset : offset + n].view_as(p).add_(p.grad)
             p.grad = None
         else:
-            view = self.grad_flat[self.layout.offsets[index] : self.layout.offsets[index] + p.numel()].view_as(p)
+            view = self.grad_flat[
+                self.layout.offsets[index] : self.layout.offsets[index] + p.numel()
+            ].view_as(p)
             if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
                 view.add_(p.grad)  # someone replaced .grad (e.g. zero_grad(set_to_none=True)); re-adopt it
                 p.grad = view

@@ -34,7 +34,9 @@ def gradient_buckets(root: nn.Module, bucket_elements: int = BUCKET_ELEMENTS) ->
     return buckets
 
 
-def policy_modules(root: nn.Module, policy: Callable[[nn.Module, str], bool] | None) -> list[tuple[str, nn.Module]]:
+def policy_modules(
+    root: nn.Module, policy: Callable[[nn.Module, str], bool] | None
+) -> list[tuple[str, nn.Module]]:
     """Modules the policy makes units, in registration order, plus modules marked by hand; never the root."""
     chosen = []
     for name, module in root.named_modules():
