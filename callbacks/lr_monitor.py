@@ -47,7 +47,7 @@ class LearningRateMonitor(Callback):
         # One log per optimizer step: accumulation calls this hook on every micro-batch of the step.
         if self.logging_interval == "epoch" or step == self._last_logged_step:
             return
-        if step % max(1, getattr(trainer, "log_every_n_steps", 1)) != 0:
+        if step % trainer.log_every_n_steps != 0:
             return
         self._last_logged_step = step
         self._log(trainer, "step" if self.logging_interval is None else "any")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,8 @@ class ProgressBar(Callback):
     `prog_bar=True`. Updates every `refresh_rate` batches; ranks other than 0 show nothing.
 
     When the output is not a terminal (CI logs, files) the bar is redrawn at most every `non_tty_interval`
-    seconds so logs stay short; the final state of each epoch is always written.
+    seconds so logs stay short, the final state of each epoch is always written, and validation inside an
+    epoch shows no bar.
     """
 
     def __init__(self, refresh_rate: int = 1, non_tty_interval: float = 10.0) -> None:
@@ -32,18 +34,23 @@ class ProgressBar(Callback):
         self._loss: float | None = None
         self._train_done = 0
         self._eval_done = 0
+        self._is_tty = False
 
     def _bar(self, trainer: Trainer, total: int | None, desc: str, leave: bool) -> tqdm:
         file = sys.stderr
-        is_tty = bool(getattr(file, "isatty", lambda: False)())
+        is_tty = self._is_tty = bool(getattr(file, "isatty", lambda: False)())
+        sized = is_tty and _columns(file) > 0  # some pseudo-terminals report a size of 0x0
         return tqdm(
             total=total or None,
             desc=desc,
             leave=leave,
             file=file,
-            dynamic_ncols=is_tty,
+            dynamic_ncols=sized,
+            ncols=None if sized or not is_tty else 100,
+            nrows=None if sized or not is_tty else 50,
             mininterval=0.1 if is_tty else self.non_tty_interval,
-            disable=not trainer.is_global_zero,
+            # A transient bar drawn below another one needs cursor movement, which a log file cannot show.
+            disable=not trainer.is_global_zero or (not leave and not is_tty),
             smoothing=0,
         )
 
@@ -101,7 +108,8 @@ class ProgressBar(Callback):
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         self._close_eval_bar()
         if self.train_bar is not None and not self.train_bar.disable:
-            self.train_bar.set_postfix(self._postfix(trainer))
+            # In a log file every refresh is a new line; the epoch's last line comes when the bar closes.
+            self.train_bar.set_postfix(self._postfix(trainer), refresh=self._is_tty)
 
     def on_test_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._open_eval_bar(trainer, getattr(trainer, "num_test_batches", None), "Testing")
@@ -159,3 +167,10 @@ class ProgressBar(Callback):
         if self.train_bar is not None:
             self.train_bar.close()
             self.train_bar = None
+
+
+def _columns(file: Any) -> int:
+    try:
+        return os.get_terminal_size(file.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0

@@ -51,13 +51,17 @@ def stdlib_source_files(max_bytes: int = 1_500_000) -> list[str]:
 
 
 def load_corpus(max_bytes: int = 1_500_000, val_every: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-    """Train and validation bytes as uint8 tensors; every `val_every`-th file goes to validation."""
+    """Train and validation bytes as uint8 tensors; every `val_every`-th file (at least one) is validation."""
     if val_every < 2:
         raise ValueError(f"val_every must be >= 2, got {val_every}")
+    files = stdlib_source_files(max_bytes)
+    if len(files) < 2:
+        raise ValueError(f"max_bytes={max_bytes} selects {len(files)} file(s); at least 2 are needed")
     train, val = [], []
-    for i, path in enumerate(stdlib_source_files(max_bytes)):
+    for i, path in enumerate(files):
+        is_val = i % val_every == val_every - 1 or (len(files) < val_every and i == len(files) - 1)
         with open(path, "rb") as f:
-            (val if i % val_every == val_every - 1 else train).append(f.read())
+            (val if is_val else train).append(f.read())
     to_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)  # noqa: E731
     return to_tensor(train), to_tensor(val)
 
@@ -229,7 +233,8 @@ class GPTModule(TrainModule):
         self.config = config
         self.lr, self.weight_decay, self.min_lr_ratio = lr, weight_decay, min_lr_ratio
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
-        self.hparams_dict = {**asdict(config), "lr": lr, "weight_decay": weight_decay, "max_steps": max_steps}
+        self.save_hyperparameters(**asdict(config), lr=lr, weight_decay=weight_decay,
+                                  warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
         self.model: GPT | None = None
 
     def configure_model(self) -> None:

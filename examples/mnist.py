@@ -51,6 +51,7 @@ class Classifier(TrainModule):
         super().__init__()
         self.net = Net()
         self.lr, self.gamma = lr, gamma
+        self.save_hyperparameters(lr=lr, gamma=gamma)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -8,8 +8,8 @@ function (a test body) to the pool, every rank calls it, and `RankPool.run` retu
 The workers set the torchrun variables (RANK, WORLD_SIZE, MASTER_ADDR, ...), so a Trainer built in a body
 finds the environment and the already initialized process group and reuses both. After a failed call the
 process group is rebuilt: a failing rank destroys its group at once, so that ranks waiting for it in a
-collective fail too instead of hanging, and then every rank joins a new group. Ranks that still do not answer
-within `straggler_timeout` seconds of the first failure are killed, and the pool starts afresh at its next call.
+collective fail too instead of hanging, and then every rank joins a new group. Ranks that still do not
+answer `straggler_timeout` seconds after the first failure are killed, and the pool restarts at its next call.
 
 Worker side: `python -m tests.ranks RANK WORLD_SIZE STORE_PORT CONN_FD PARENT_PID`.
 """
@@ -129,7 +129,7 @@ class RankPool:
         lines += [f"--- rank {rank} ---\n{text}" for rank, text in sorted(tracebacks.items())]
         if silent or any(reply[0] == "died" for reply in replies.values()):
             if silent:
-                lines.append(f"rank(s) {silent} did not answer within {self.straggler_timeout} s; pool restarted")
+                lines.append(f"rank(s) {silent} did not answer within {self.straggler_timeout} s; restarting")
             self._kill()
         elif not self._reset_group():
             self._kill()
@@ -249,7 +249,9 @@ def _worker(rank: int, world_size: int, store_port: int, conn_fd: int, parent_pi
 
 def _send_reply(conn: Connection, reply: tuple) -> None:
     try:
-        conn.send(reply)  # pickles the whole reply before writing anything
+        # Plain pickle, not Connection.send: torch registers reducers with multiprocessing's pickler that
+        # pass tensors as shared-memory file descriptors, which an unrelated process cannot receive.
+        conn.send_bytes(pickle.dumps(reply))  # pickles the whole reply before writing anything
     except Exception:
         conn.send(("error", f"the result could not be sent back:\n{traceback.format_exc()}", None))
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -72,20 +75,31 @@ def test_mnist_without_files_says_so(tmp_path: Path) -> None:
         mnist.mnist_loaders(str(tmp_path), 64, 1000, download=False)
 
 
+def _main_output(example: str, argv: list[str]) -> str:
+    """A rank body for the pool: the example's main() on this rank, returning what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        importlib.import_module(f"examples.{example}").main(argv)
+    return out.getvalue()
+
+
+def mnist_argv(data_dir: Path, root_dir: Path, *extra: str) -> list[str]:
+    return ["--epochs", "2", "--limit-train-batches", "2", "--batch-size", "16", "--data-dir", str(data_dir),
+            "--no-download", "--root-dir", str(root_dir), *extra]
+
+
 def test_mnist_runs_on_one_rank(mnist_dir: Path, tmp_path: Path) -> None:
-    proc = run_example("mnist.py", "--devices", "1", "--epochs", "2", "--limit-train-batches", "2",
-                       "--data-dir", str(mnist_dir), "--no-download", "--root-dir", str(tmp_path / "runs"))
-    assert "training time" in proc.stdout
-    assert "val/acc" in proc.stdout
-    assert (tmp_path / "runs").is_dir()
+    out = _main_output("mnist", mnist_argv(mnist_dir, tmp_path / "runs", "--devices", "1"))
+    assert "on 1 rank(s): training time" in out and "val/acc" in out
+    assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
 
 
-def test_mnist_runs_on_two_ranks_with_ddp(mnist_dir: Path, tmp_path: Path) -> None:
-    proc = run_example("mnist.py", "--devices", "2", "--strategy", "ddp", "--epochs", "1",
-                       "--batch-size", "16", "--limit-train-batches", "2", "--data-dir", str(mnist_dir),
-                       "--no-download", "--root-dir", str(tmp_path / "runs"))
-    assert "on 2 rank(s): training time" in proc.stdout
-    assert proc.stdout.count("training time") == 1  # printed by rank 0 only
+def test_mnist_runs_on_two_ranks_with_ddp(rank_pool, mnist_dir: Path, tmp_path: Path) -> None:
+    argv = mnist_argv(mnist_dir, tmp_path / "runs", "--devices", "2", "--strategy", "ddp")
+    rank0, rank1 = rank_pool(2).run(_main_output, "mnist", argv)
+    assert "strategy ddp on 2 rank(s): training time" in rank0
+    assert "memory report" in rank0
+    assert rank1 == ""  # only rank 0 prints
 
 
 def test_gpt_data_is_deterministic_and_split_by_file() -> None:
@@ -112,16 +126,17 @@ def test_gpt_model_ties_head_and_embedding() -> None:
     assert gpt.GPT(gpt.GPT_PRESETS["30m"]).num_parameters() == pytest.approx(30e6, rel=0.1)
 
 
-def test_gpt_quickstart_runs_tiny(tmp_path: Path) -> None:
-    proc = run_example("gpt.py", "--devices", "1", "--max-steps", "4", "--val-check-interval", "2",
+def test_gpt_quickstart_command_runs_tiny_on_two_ranks(tmp_path: Path) -> None:
+    """The README quickstart as the user types it (a script that starts its second rank), at a tiny size."""
+    proc = run_example("gpt.py", "--devices", "2", "--max-steps", "4", "--val-check-interval", "2",
                        "--batch-size", "8", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
                        "--n-embd", "32", "--data-bytes", "100000", "--val-windows", "16",
                        "--sample-tokens", "8", "--root-dir", str(tmp_path / "runs"))
     out = proc.stdout
-    assert out.count("val/loss") >= 2, out
-    assert "tensorboard --logdir" in out
-    assert "sample from" in out
-    events = list((tmp_path / "runs").rglob("events.out.tfevents.*"))
-    assert events, "no TensorBoard event file written"
-    checkpoints = [p for p in (tmp_path / "runs").rglob("checkpoints/*") if p.is_dir()]
-    assert any(p.name == "last" for p in checkpoints), checkpoints
+    val_losses = [float(v) for v in re.findall(r"^step +\d+ +val/loss (\S+)$", out, re.MULTILINE)]
+    assert len(val_losses) == 2, out
+    assert "2 rank(s), strategy ddp" in out and "tensorboard --logdir" in out and "sample from" in out
+    assert out.count("training took") == 1, out  # only rank 0 prints
+    assert list((tmp_path / "runs").rglob("events.out.tfevents.*")), "no TensorBoard event file written"
+    checkpoints = [p.name for p in (tmp_path / "runs").rglob("checkpoints/*") if p.is_dir()]
+    assert "last" in checkpoints and len(checkpoints) == 2, checkpoints

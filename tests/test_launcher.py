@@ -183,7 +183,7 @@ def test_pool_names_the_failing_rank_and_keeps_working(rank_pool, others):
     if others == "return":
         assert sorted(info.value.tracebacks) == [1]
     else:  # rank 0 waited for rank 1 in a barrier: that failed too, as soon as rank 1 gave up its group
-        assert "Connection closed by peer" in info.value.tracebacks[0]
+        assert "by peer" in info.value.tracebacks[0]  # gloo: "Connection closed/reset by peer"
     assert pool.run(body_all_reduce, 0.0) == [(1.0, False), (1.0, False)]
 
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .data import limit_batches, set_epoch
+from .seed import rng_state, set_rng_state
 from .state import move_to_device
 
 if TYPE_CHECKING:
@@ -59,15 +60,19 @@ class StepRunner:
         set_epoch(self.train_loader, t.current_epoch)
         t._call("on_train_epoch_start")
         skip = t.state.batches_done_in_epoch  # batches already trained before a mid-epoch resume
+        resume_rng = rng_state() if skip else None  # the checkpoint's; starting the loader and skipping draw
         for batch_idx, batch in enumerate(self.train_loader):
             if batch_idx >= t.num_training_batches:
                 break
             if batch_idx < skip:
+                if batch_idx == skip - 1:
+                    set_rng_state(resume_rng)
                 continue
             self.train_batch(batch, batch_idx)
-            t.state.batches_done_in_epoch = batch_idx + 1
             if self._validation_due(batch_idx):
                 self.validate()
+            if t.max_steps > 0 and t.global_step >= t.max_steps and batch_idx + 1 < t.num_training_batches:
+                return  # stopped inside the epoch: it is not over, and a resume continues it at the next batch
             if t.should_stop or (t.max_steps > 0 and t.global_step >= t.max_steps):
                 break
         self._end_train_epoch()
@@ -118,6 +123,7 @@ class StepRunner:
             outputs = {"loss": loss.detach()}
         if window_end:
             self._optimizer_step()
+        t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
         t._call("on_train_batch_end", outputs, batch, batch_idx)
 
     def _loss_from(self, output: Any, batch_idx: int) -> torch.Tensor | None:

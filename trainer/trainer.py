@@ -68,6 +68,8 @@ class Trainer:
             config.check_fraction_or_count(name, value)
         config.check_positive_int("log_every_n_steps", log_every_n_steps)
         config.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
+        if sync_batchnorm and self.accelerator != "cuda":
+            raise ValueError("sync_batchnorm=True needs accelerator='cuda': torch's SyncBatchNorm runs on GPUs only")
         self.strategy = self._resolve_strategy(strategy, devices * num_nodes)
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
         self.max_steps, self.accumulate_grad_batches = max_steps, accumulate_grad_batches

@@ -1,0 +1,111 @@
+"""Peak resident memory per rank for a ~100M-parameter GPT under ddp, zero1, zero2 and fsdp.
+
+    python benchmarks/memory.py                      # all four strategies, 2 ranks, prints a table
+    python benchmarks/memory.py --preset 30m --steps 3
+
+Each strategy runs as its own 2-rank job (started by the Trainer). After set-up, each rank resets its kernel
+peak-RSS counter (/proc/self/clear_refs), trains a few AdamW steps, and reports its peak resident memory, the
+engine's memory report, and the theoretical model-state bytes of DESIGN.md's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from callbacks import Callback  # noqa: E402
+from examples.gpt import GPT, GPT_PRESETS, GPTModule, TextWindows  # noqa: E402
+from trainer import Trainer, seed_everything  # noqa: E402
+
+MiB = 2**20
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+
+
+def theory_bytes(strategy: str, params: int, world_size: int) -> float:
+    p, n = params, world_size
+    return {"ddp": 16 * p, "zero1": 8 * p + 8 * p / n, "zero2": 4 * p + 12 * p / n, "fsdp": 16 * p / n}[strategy]
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+class PeakMemory(Callback):
+    """Reset the peak-RSS counter when training starts; read it when training ends."""
+
+    def on_train_start(self, trainer, module) -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.start_rss = _rss_kib("VmRSS:") * 1024
+
+    def on_train_end(self, trainer, module) -> None:
+        self.peak_rss = _rss_kib("VmHWM:") * 1024
+        self.report = trainer.strategy.memory_report()
+
+
+def run_one(strategy: str, preset: str, steps: int, devices: int) -> None:
+    seed_everything(0)
+    config = GPT_PRESETS[preset]
+    data = TextWindows(torch.randint(0, 256, (config.block_size * 64 + 1,), dtype=torch.uint8), config.block_size)
+    policy = {"auto_wrap_policy": None}
+    if strategy == "fsdp":
+        from examples.gpt import Block
+        from strategies import FSDPStrategy
+
+        strategy_arg = FSDPStrategy(auto_wrap_policy={Block})
+    else:
+        strategy_arg = strategy
+    del policy
+    peak = PeakMemory()
+    trainer = Trainer(strategy=strategy_arg, devices=devices, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[peak])
+    trainer.fit(GPTModule(config, max_steps=steps), DataLoader(data, batch_size=2))
+    row = {"strategy": strategy, "rank": trainer.global_rank, "peak_rss": peak.peak_rss, "start_rss": peak.start_rss,
+           "report": peak.report, "params": GPT.count_parameters(config)}
+    rows = trainer.strategy.all_gather_object(row)
+    if trainer.is_global_zero:
+        print("RESULT " + json.dumps(rows), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="100m", choices=sorted(GPT_PRESETS))
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        run_one(args.one, args.preset, args.steps, args.devices)
+        return
+    print(f"{'strategy':8} {'rank':>4} {'model-state theory':>18} {'engine report':>14} {'peak RSS in training':>21}"
+          f" {'RSS at start':>13}   (MiB; params, grads, optimizer state by the engine)")
+    for strategy in args.strategies.split(","):
+        command = [sys.executable, os.path.abspath(__file__), "--one", strategy, "--preset", args.preset,
+                   "--steps", str(args.steps), "--devices", str(args.devices)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{strategy}: failed\n{out.stderr[-3000:]}")
+            continue
+        for row in json.loads(line[len("RESULT "):]):
+            r = row["report"]
+            model_state = r["parameters"] + r["gradients"] + r["optimizer_state"]
+            theory = theory_bytes(strategy, row["params"], args.devices)
+            print(f"{strategy:8} {row['rank']:>4} {theory / MiB:>18.0f} {model_state / MiB:>14.0f}"
+                  f" {row['peak_rss'] / MiB:>21.0f} {row['start_rss'] / MiB:>13.0f}"
+                  f"   ({r['parameters'] / MiB:.0f}, {r['gradients'] / MiB:.0f}, {r['optimizer_state'] / MiB:.0f})")
+
+
+if __name__ == "__main__":
+    main()
