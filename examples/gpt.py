@@ -23,11 +23,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 if __package__ in (None, ""):  # run as a script: make the project importable without installing it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from callbacks import Callback, ModelCheckpoint  # noqa: E402
+from callbacks import Callback, LearningRateMonitor, ModelCheckpoint  # noqa: E402
 from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------- data
@@ -87,12 +88,14 @@ class TextWindows(Dataset):
 
 
 def build_datasets(
-    block_size: int = 64, max_bytes: int = 1_500_000, val_windows: int = 512
+    block_size: int = 64, max_bytes: int = 1_500_000, val_windows: int = 512, train_stride: int | None = None
 ) -> tuple[TextWindows, TextWindows]:
-    """Train windows tile the training text; about `val_windows` validation windows spread over all of it."""
+    """Train windows start every `train_stride` bytes (default: half a block, so they overlap by half);
+    about `val_windows` validation windows are spread evenly over the validation text."""
     train, val = load_corpus(max_bytes)
     val_stride = max(block_size, (len(val) - block_size - 1) // max(1, val_windows - 1))
-    return TextWindows(train, block_size), TextWindows(val, block_size, stride=val_stride)
+    train_stride = train_stride or max(1, block_size // 2)
+    return TextWindows(train, block_size, train_stride), TextWindows(val, block_size, val_stride)
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -277,8 +280,6 @@ class PrintValLoss(Callback):
     def on_validation_end(self, trainer, module) -> None:
         loss = trainer.callback_metrics.get("val/loss")
         if trainer.is_global_zero and loss is not None:
-            from tqdm import tqdm
-
             tqdm.write(f"step {trainer.global_step:5d}  val/loss {float(loss):.4f}")
 
 
@@ -302,7 +303,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--precision", default="32", choices=["32", "bf16-mixed", "16-mixed", "bf16-true"])
-    p.add_argument("--val-check-interval", type=int, default=50, help="training steps between validations")
+    p.add_argument("--val-check-interval", type=int, default=50, help="training batches between validations")
     p.add_argument("--val-windows", type=int, default=512, help="validation windows, spread over the text")
     p.add_argument("--data-bytes", type=int, default=1_500_000, help="bytes of stdlib source to use")
     p.add_argument("--sample-tokens", type=int, default=300, help="bytes to generate at the end (0: none)")
@@ -351,12 +352,15 @@ def main(argv: list[str] | None = None) -> None:
         gradient_clip_val=1.0,
         log_every_n_steps=10,
         default_root_dir=args.root_dir,
-        callbacks=[ModelCheckpoint(monitor="val/loss", mode="min", save_last=True), PrintValLoss()],
+        callbacks=[ModelCheckpoint(monitor="val/loss", mode="min", save_last=True), LearningRateMonitor(),
+                   PrintValLoss()],
     )
     if trainer.is_global_zero:
         print(f"data: {len(train_set.data):,} train / {len(val_set.data):,} val bytes of stdlib source; "
               f"model: {GPT.count_parameters(config):,} parameters; "
               f"{trainer.world_size} rank(s), strategy {args.strategy}")
+        print(f"an untrained model scores val/loss ~{math.log(config.vocab_size):.2f} (a uniform guess over "
+              f"{config.vocab_size} byte values); watch it go down:")
     start = time.perf_counter()
     trainer.fit(module, train_loader, val_loader)
     elapsed = time.perf_counter() - start

@@ -26,6 +26,7 @@ from torchvision import datasets, transforms
 if __package__ in (None, ""):  # run as a script: make the project importable without installing it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from callbacks import LearningRateMonitor  # noqa: E402
 from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
 
 
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         max_epochs=args.epochs,
         limit_train_batches=args.limit_train_batches,
         default_root_dir=args.root_dir,
+        callbacks=[LearningRateMonitor()],
     )
     start = time.perf_counter()
     trainer.fit(Classifier(args.lr, args.gamma), train_loader, test_loader)

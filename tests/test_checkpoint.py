@@ -29,11 +29,11 @@ SHARDED = ("zero1", "zero2", "fsdp")
 class TiedNet(nn.Module):
     """175 parameters (uneven over 2 and 3 ranks), a head tied to the embedding, and a buffer that counts."""
 
-    def __init__(self, hidden: int = 7, dropout: float = 0.0, extra: bool = False) -> None:
+    def __init__(self, hidden: int = 7, dropout: float = 0.0, extra: bool = False, norm: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.block = nn.Sequential(nn.Linear(DIM, hidden), nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, DIM))
-        self.norm = nn.LayerNorm(DIM)
+        self.norm = nn.LayerNorm(DIM) if norm else nn.Identity()
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight
         if extra:
@@ -185,14 +185,11 @@ def test_consolidate_cli_writes_plain_files_torch_load_reads(saved, tmp_path):
     root, expected = saved
     source = os.path.join(root, "fsdp")
     env = {**os.environ, "PYTHONPATH": ROOT}
-    command = [sys.executable, "-m", "trainer.checkpoint", "consolidate", source]
-    jobs = [subprocess.Popen([*command, str(tmp_path / "w.pt")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True),
-            subprocess.Popen([*command, str(tmp_path / "o.pt"), "--with-optimizer"], cwd=tmp_path, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-    for job in jobs:
-        out, _ = job.communicate(timeout=60)
-        assert job.returncode == 0, out
+    command = [sys.executable, "-m", "trainer.checkpoint", "consolidate", source, "o.pt", "--with-optimizer"]
+    job = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert job.stdout.strip() == "wrote o.pt"
+    ckpt_io.main(["consolidate", source, str(tmp_path / "w.pt")])  # the same entry point, in this process
     assert sorted(os.listdir(tmp_path)) == ["o.pt", "w.pt"]
 
     weights = torch.load(tmp_path / "w.pt", weights_only=True)
@@ -209,7 +206,7 @@ def test_consolidate_cli_writes_plain_files_torch_load_reads(saved, tmp_path):
         assert entries["exp_avg"].shape == entries["exp_avg_sq"].shape == model_state[name].shape
     (group,) = optimizer["param_groups"]
     assert group["lr"] == pytest.approx(0.01)
-    assert sorted(set(group["param_names"])) == sorted(optimizer["state"])
+    assert group["param_names"] == [k for k in model_state if k in optimizer["state"]]  # once each, model order
 
 
 # -- corruption -------------------------------------------------------------------------------------------
@@ -246,14 +243,29 @@ def test_a_corrupted_or_truncated_file_is_named_and_refused(saved, tmp_path):
 
 
 # -- checked against the model before a resume --------------------------------------------------------------
-def test_a_checkpoint_of_another_model_lists_every_difference(saved, tmp_path):
+def test_a_checkpoint_of_another_model_lists_every_difference_at_once(saved, tmp_path):
     root, _ = saved
+    path = os.path.join(root, "fsdp")
     seed_everything(0)
+    module = LM(hidden=8, extra=True, norm=False)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
     trainer = make_trainer(str(tmp_path), "single", 1, max_steps=1)
     with pytest.raises(ValueError) as error:
-        trainer.fit(LM(hidden=8, extra=True), loader(), ckpt_path=os.path.join(root, "fsdp"))
-    message = str(error.value)
-    print(message)
+        trainer.fit(module, loader(), ckpt_path=path)
+
+    lines = str(error.value).splitlines()
+    assert path in lines[0]
+    assert sorted(line.strip() for line in lines[1:]) == [
+        "missing: net.gate.bias",
+        "missing: net.gate.weight",
+        "shape of net.block.0.bias: checkpoint [7], model [8]",
+        "shape of net.block.0.weight: checkpoint [7, 6], model [8, 6]",
+        "shape of net.block.3.weight: checkpoint [6, 7], model [6, 8]",
+        "unexpected: net.norm.bias",
+        "unexpected: net.norm.weight",
+    ]
+    assert trainer.global_step == 0
+    assert_states_close(dict(module.state_dict()), before, atol=0)  # refused before anything was loaded
 
 
 # -- exact resume: same strategy and world size ---------------------------------------------------------------
@@ -309,3 +321,146 @@ def test_a_resumed_run_ends_exactly_where_the_uninterrupted_run_ends(rank_pool, 
     assert ckpt_io.load_trainer_state(result["path"])["module_extra"] == {"note": f"step {stop}"}
     assert (result["step"], result["epoch"]) == (total, total // 4)
     assert_states_close(result["resumed"], result["final"], atol=0)
+
+
+# -- ModelCheckpoint and ckpt_path="last" ---------------------------------------------------------------------
+def _plant_incomplete_checkpoints(dirpath: str) -> None:
+    """A newer-looking directory without meta.json, and a complete-looking leftover of an interrupted save."""
+    shutil.copytree(os.path.join(dirpath, "last"), os.path.join(dirpath, "epoch=9-step=99"))
+    os.remove(os.path.join(dirpath, "epoch=9-step=99", "meta.json"))
+    shutil.copytree(os.path.join(dirpath, "last"), os.path.join(dirpath, "epoch=9-step=98.tmp-0123abcd"))
+    meta_path = os.path.join(dirpath, "epoch=9-step=98.tmp-0123abcd", "meta.json")
+    with open(meta_path) as f:
+        text = f.read().replace('"global_step": 6', '"global_step": 98')
+    with open(meta_path, "w") as f:
+        f.write(text)
+
+
+def _last_body(root: str) -> dict | None:
+    args = dict(module_kwargs={"dropout": 0.2})
+    straight, _ = fit(os.path.join(root, "a"), "zero1", 2, 10, **args)
+    dirpath = os.path.join(root, "ckpts")
+
+    def saver() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath, every_n_train_steps=3, save_last=True, save_top_k=2)
+
+    # The first run is started as a restarted one would be: "last" finds nothing yet and training starts afresh.
+    first, _ = fit(os.path.join(root, "b"), "zero1", 2, 7, ckpt_path="last", callbacks=[saver()],
+                   enable_checkpointing=True, **args)
+    listed = sorted(os.listdir(dirpath))
+    if first.is_global_zero:
+        _plant_incomplete_checkpoints(dirpath)
+    first.strategy.barrier()
+    snapshot = Snapshot()
+    resumed, _ = fit(os.path.join(root, "c"), "zero1", 2, 10, ckpt_path="last", callbacks=[saver(), snapshot],
+                     enable_checkpointing=True, **args)
+    return rank_zero(resumed, {
+        "first_ckpt_path": first.ckpt_path, "listed": listed, "resumed_from": resumed.ckpt_path,
+        "start_step": snapshot.start["global_step"], "step": resumed.global_step,
+        "final": straight.strategy.full_state_dict(), "resumed": resumed.strategy.full_state_dict(),
+    })
+
+
+def test_fit_resumes_from_the_newest_complete_checkpoint_with_last(rank_pool, tmp_path):
+    result = rank_pool(2).run(_last_body, str(tmp_path))[0]
+
+    assert result["first_ckpt_path"] is None
+    assert result["listed"] == ["epoch=0-step=3", "epoch=1-step=6", "last"]
+    dirpath = os.path.realpath(tmp_path / "ckpts")
+    assert result["resumed_from"] in (os.path.join(dirpath, "last"), os.path.join(dirpath, "epoch=1-step=6"))
+    assert (result["start_step"], result["step"]) == (6, 10)
+    assert_states_close(result["resumed"], result["final"], atol=0)
+    assert ckpt_io.find_last(dirpath) == os.path.join(dirpath, "last")  # newest complete: step 9's `last`
+    assert ckpt_io.load_trainer_state(os.path.join(dirpath, "last"))["state"]["global_step"] == 9
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # resumed at an epoch's end
+def test_last_finds_the_checkpoints_of_an_earlier_logger_version(tmp_path):
+    """A restarted run logs to a new TensorBoard version; with the default dirpath, "last" must still find
+    the checkpoints the previous run wrote under its own version."""
+    options = dict(ckpt_path="last", logger=True, enable_checkpointing=True)
+    first, _ = fit(str(tmp_path), "single", 1, 5, callbacks=[ModelCheckpoint(every_n_train_steps=2)], **options)
+    snapshot = Snapshot()
+    with pytest.warns(UserWarning, match="dirpath changed"):
+        second, _ = fit(str(tmp_path), "single", 1, 6, callbacks=[ModelCheckpoint(every_n_train_steps=2), snapshot],
+                        **options)
+
+    assert first.ckpt_path is None
+    assert os.path.basename(second.log_dir) == "version_1"
+    assert second.ckpt_path == os.path.join(os.path.realpath(first.log_dir), "checkpoints", "epoch=0-step=4")
+    assert snapshot.start["global_step"] == 4
+
+
+# -- atomic writes --------------------------------------------------------------------------------------------
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpts" / "last")
+    trainer, _ = fit(str(tmp_path), "single", 1, max_steps=2, save_to=path)
+    good = ckpt_io.load_full_state_dict(path)
+    real_write = ckpt_io._write
+
+    def crash_on_trainer_state(obj, file_path):
+        if file_path.endswith(ckpt_io.TRAINER_STATE):
+            raise OSError("disk full")
+        return real_write(obj, file_path)
+
+    monkeypatch.setattr(ckpt_io, "_write", crash_on_trainer_state)
+    trainer.module.net.embed.weight.data.add_(1.0)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save_checkpoint(path)
+    monkeypatch.undo()
+
+    assert_states_close(ckpt_io.load_full_state_dict(path), good, atol=0)
+    leftovers = [n for n in os.listdir(tmp_path / "ckpts") if n != "last"]
+    assert len(leftovers) == 1 and leftovers[0].startswith("last.tmp-")
+    assert ckpt_io.find_last(str(tmp_path / "ckpts")) == path
+
+    trainer.save_checkpoint(path)  # a good save replaces it, leaving nothing beside it
+    assert sorted(os.listdir(tmp_path / "ckpts")) == sorted(["last", *leftovers])
+    assert torch.equal(ckpt_io.load_full_state_dict(path)["net.embed.weight"], good["net.embed.weight"] + 1)
+
+
+# -- resharding: fsdp at 2 -> zero2 at 3 -> ddp at 1 -> fsdp at 3 ---------------------------------------------
+class SaveAtStart(Callback):
+    """Writes a checkpoint as training starts, i.e. right after `fit` loaded one: what the load produced."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer, module) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def _reshard_phase(root: str, strategy: str, devices: int, source: str | None, max_steps: int) -> None:
+    name = f"{strategy}{devices}"
+    callbacks = [SaveAtStart(os.path.join(root, f"{name}-loaded"))] if source else []
+    fit(os.path.join(root, name), strategy, devices, max_steps, ckpt_path=source,
+        save_to=os.path.join(root, name + "-end"), callbacks=callbacks, module_kwargs={"optimizer": "sgd"})
+
+
+def _assert_same_checkpoint_state(a: str, b: str, atol: float) -> None:
+    assert_states_close(ckpt_io.load_full_state_dict(a), ckpt_io.load_full_state_dict(b), atol=atol)
+    opt_a, opt_b = optimizer_state(a), optimizer_state(b)
+    assert sorted(opt_a) == sorted(opt_b) and all("momentum_buffer" in v for v in opt_a.values())
+    assert_states_close({k: opt_a[k] for k in opt_b}, opt_b, atol=atol)
+    state_a, state_b = ckpt_io.load_trainer_state(a), ckpt_io.load_trainer_state(b)
+    assert state_a["state"] == state_b["state"] and state_a["lr_schedulers"] == state_b["lr_schedulers"]
+
+
+def test_a_checkpoint_moves_between_strategies_and_world_sizes(rank_pool, tmp_path):
+    root = str(tmp_path)
+    phases = [("fsdp", 2, 3), ("zero2", 3, 6), ("ddp", 1, 9), ("fsdp", 3, 14)]  # 4 steps per epoch
+    source = None
+    for strategy, devices, max_steps in phases:
+        if devices == 1:
+            _reshard_phase(root, strategy, devices, source, max_steps)
+        else:
+            rank_pool(devices).run(_reshard_phase, root, strategy, devices, source, max_steps)
+        name = f"{strategy}{devices}"
+        meta = ckpt_io.read_meta(os.path.join(root, name + "-end"))
+        assert (meta["world_size"], meta["global_step"]) == (devices, max_steps)
+        if source is not None:  # loading resharded weights, momentum buffers and trainer state exactly
+            _assert_same_checkpoint_state(os.path.join(root, name + "-loaded"), source, atol=0)
+        source = os.path.join(root, name + "-end")
+
+    _reshard_phase(root, "single", 1, None, 14)  # the run that was never stopped, in one process
+    _assert_same_checkpoint_state(source, os.path.join(root, "single1-end"), atol=1e-5)

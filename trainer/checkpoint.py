@@ -151,8 +151,11 @@ def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: state[k] for k in order}
 
 
-def load_full_optimizer_state(ranks: list[dict[str, Any]], index: int) -> tuple[dict[str, Any], list[dict]]:
-    """Optimizer `index`'s state in full, keyed by parameter name, and its parameter groups."""
+def load_full_optimizer_state(
+    ranks: list[dict[str, Any]], index: int, order: list[str] | None = None
+) -> tuple[dict[str, Any], list[dict]]:
+    """Optimizer `index`'s state in full, keyed by parameter name, and its parameter groups (names in `order`,
+    the model's state-dict order, when given)."""
     per_file = [r["optimizers"][index] for r in ranks]
     state: dict[str, dict[str, Any]] = {}
     for file_state in per_file:
@@ -168,7 +171,9 @@ def load_full_optimizer_state(ranks: list[dict[str, Any]], index: int) -> tuple[
                 )[name]
     groups = [dict(g) for g in per_file[0]["param_groups"]]
     for i, group in enumerate(groups):
-        group["param_names"] = [n for f in per_file for n in f["param_groups"][i]["param_names"]]
+        names = list(dict.fromkeys(n for f in per_file for n in f["param_groups"][i]["param_names"]))
+        rank = {name: position for position, name in enumerate(order or [])}
+        group["param_names"] = sorted(names, key=lambda n: rank.get(n, len(rank)))  # a split one is in 2 files
     return state, groups
 
 
@@ -177,17 +182,18 @@ def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     return load_file(path, TRAINER_STATE, read_meta(path))
 
 
-def find_last(directory: str) -> str | None:
-    """The newest complete checkpoint (one with meta.json) under `directory`, by its recorded global step."""
-    if not os.path.isdir(directory):
-        return None
+def find_last(*directories: str) -> str | None:
+    """The newest complete checkpoint (one with meta.json) under any of `directories`, by its recorded global
+    step (then by time)."""
     found = []
-    for entry in os.listdir(directory):
-        full = os.path.join(directory, entry)
-        if ".tmp-" in entry or ".old-" in entry or not os.path.isfile(os.path.join(full, META)):
-            continue
-        meta = read_meta(full)
-        found.append((meta.get("global_step", -1), os.path.getmtime(os.path.join(full, META)), full))
+    for directory in directories:
+        entries = os.listdir(directory) if os.path.isdir(directory) else []
+        for entry in entries:
+            full = os.path.join(directory, entry)
+            if ".tmp-" in entry or ".old-" in entry or not os.path.isfile(os.path.join(full, META)):
+                continue
+            meta = read_meta(full)
+            found.append((meta.get("global_step", -1), os.path.getmtime(os.path.join(full, META)), full))
     return max(found)[2] if found else None
 
 
@@ -196,7 +202,8 @@ def consolidate(path: str, out: str, with_optimizer: bool = False) -> None:
     result: dict[str, Any] = load_full_state_dict(path)
     if with_optimizer:
         meta, ranks = load_rank_files(path)
-        optimizers = [load_full_optimizer_state(ranks, i) for i in range(len(ranks[0]["optimizers"]))]
+        order = meta.get("state_dict_keys")
+        optimizers = [load_full_optimizer_state(ranks, i, order) for i in range(len(ranks[0]["optimizers"]))]
         result = {
             "state_dict": result,
             "optimizers": [{"state": s, "param_groups": g} for s, g in optimizers],

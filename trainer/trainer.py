@@ -284,14 +284,21 @@ class Trainer:
 
         if ckpt_path == "last":
             directory = self.checkpoint_callback.dirpath if self.checkpoint_callback else None
-            found = ckpt_io.find_last(
-                directory or os.path.join(self.log_dir or self.default_root_dir, "checkpoints")
-            )
+            found = ckpt_io.find_last(*([directory] if directory else self._default_checkpoint_dirs()))
             if found is None:
                 return  # nothing saved yet: start from scratch, as Lightning does
             ckpt_path = found
         self.ckpt_path = os.fspath(ckpt_path)
         restore_checkpoint(self, self.ckpt_path, weights_only)
+
+    def _default_checkpoint_dirs(self) -> list[str]:
+        """Where ModelCheckpoint saves by default; a restarted run logs to a new logger version, so the
+        checkpoints folders of every version count."""
+        dirs = [os.path.join(self.log_dir or self.default_root_dir, "checkpoints")]
+        root = getattr(self.logger, "root_dir", None)
+        if root is not None and os.path.isdir(root):
+            dirs += [os.path.join(root, v, "checkpoints") for v in sorted(os.listdir(root))]
+        return dirs
 
     @property
     def estimated_stepping_batches(self) -> int:

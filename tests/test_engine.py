@@ -1,0 +1,482 @@
+"""The sharding engine: communication counts, memory report, shard layout, wrap policies and units, and the
+options that must not change the numbers (reshard_after_forward, activation checkpointing, mixed precision).
+
+Bodies named `body_*` run on every rank of the session's gloo pool; the rest runs in the test process, where the
+engine has no process group (world size 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from strategies import FSDPStrategy, mark_as_unit
+from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine
+from strategies.sharding.layout import FlatLayout
+from strategies.wrap import resolve_wrap_policy
+from tests.test_parity import (
+    ACCUMULATE,
+    PER_RANK_BATCH,
+    STEPS,
+    VOCAB,
+    Block,
+    TiedLM,
+    fit,
+    make_optimizer,
+    make_strategy,
+    max_relative_difference,
+    new_model,
+    reference_weights,
+    token_dataset,
+)
+from trainer import Trainer, TrainModule
+
+SPECS = {"ddp": REPLICATED, "zero1": ZERO1, "zero2": ZERO2, "fsdp": FULL_SHARD}
+FP32_BYTES = 4
+
+
+def block_policy(module: nn.Module, name: str) -> bool:
+    return isinstance(module, Block)
+
+
+def engine_for(model: nn.Module, strategy: str, **options) -> ShardingEngine:
+    policy = block_policy if strategy == "fsdp" else None
+    return ShardingEngine(model, SPECS[strategy], wrap_policy=policy, **options)
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def rank_batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = token_dataset().tensors
+    start = (dist.get_rank() * 7 + micro * 3) % 30
+    return x[start : start + PER_RANK_BATCH], y[start : start + PER_RANK_BATCH]
+
+
+def engine_step(model: nn.Module, engine: ShardingEngine, opt: torch.optim.Optimizer, accumulate: int) -> None:
+    for micro in range(accumulate):
+        x, y = rank_batch(micro)
+        loss = engine.root_call(lm_loss, model, x, y) / accumulate
+        if micro < accumulate - 1:
+            with engine.no_sync():
+                engine.backward(loss)
+        else:
+            engine.backward(loss)
+    engine.clip_grad_norm_(0.5)
+    engine.step(opt)
+    engine.zero_grad()
+
+
+# ------------------------------------------------------------------------------- communication (invariant 3)
+
+
+def body_communication_per_step(accumulate: int) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+    """Elements sent per collective kind during the second optimizer step (the first has no prefetch order
+    yet), and each unit's padded size, for every strategy."""
+    out = {}
+    for name in SPECS:
+        model = new_model()
+        engine = engine_for(model, name)
+        opt = engine.setup_optimizer(make_optimizer(model, "adamw"))
+        engine_step(model, engine, opt, accumulate)
+        engine.stats.reset()
+        engine_step(model, engine, opt, accumulate)
+        out[name] = dict(engine.stats.elements), {u.name: u.layout.padded_total for u in engine.units}
+    return out
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_communication_per_step_matches_theory(rank_pool, accumulate):
+    """Per optimizer step and rank, with P the padded parameter elements: ddp all-reduces 2P; zero1 all-reduces
+    2P and all-gathers the updated P; zero2 reduce-scatters P per micro-batch and all-gathers P; fsdp
+    all-gathers every wrapped unit twice (forward, then again for backward since it was resharded) and the root
+    unit once (it stays unsharded from the start of forward to the end of backward, as in FSDP2), and
+    reduce-scatters P per micro-batch. Under no_sync (accumulation) ddp and zero1 do not communicate."""
+    for elements in rank_pool(2).run(body_communication_per_step, accumulate):
+        assert set(elements) == set(SPECS)
+        for name, (sent, sizes) in elements.items():
+            P = sum(sizes.values())
+            expected = {
+                "ddp": {"all_reduce": 2 * P},
+                "zero1": {"all_reduce": 2 * P, "all_gather": P},
+                "zero2": {"reduce_scatter": accumulate * P, "all_gather": P},
+                "fsdp": {"all_gather": accumulate * (2 * P - sizes.get("", 0)), "reduce_scatter": accumulate * P},
+            }[name]
+            assert sent == expected, (name, sizes)
+        fsdp_units = elements["fsdp"][1]
+        assert set(fsdp_units) == {"blocks.0", "blocks.1", ""}
+        assert fsdp_units["blocks.0"] == 82 and fsdp_units[""] == 86  # 85 root elements padded to 2 ranks
+
+
+def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:
+    model = new_model()
+    engine = engine_for(model, "fsdp", reshard_after_forward=False)
+    opt = engine.setup_optimizer(make_optimizer(model, "sgd"))
+    engine_step(model, engine, opt, 1)
+    engine.stats.reset()
+    engine_step(model, engine, opt, 1)
+    return {**engine.stats.elements, "P": sum(u.layout.padded_total for u in engine.units)}
+
+
+def test_fsdp_without_reshard_after_forward_gathers_each_unit_once(rank_pool):
+    for sent in rank_pool(2).run(body_fsdp_gathers_once_without_resharding):
+        assert sent["all_gather"] == sent["P"] and sent["reduce_scatter"] == sent["P"]
+
+
+# ------------------------------------------------------------------------------------- memory (invariant 2)
+
+
+class Plain(nn.Module):
+    """No frozen or tied parameters, so the table applies as written: P = 82 + 82 + 18 = 182."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def body_memory_reports() -> dict[str, dict]:
+    reports = {}
+    for name in SPECS:
+        torch.manual_seed(0)
+        model = Plain()
+        engine = engine_for(model, name)
+        opt = engine.setup_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+        in_flight = []
+        if name == "fsdp":  # registered after the engine's hooks: runs once blocks.1 is gathered
+            model.blocks[1].register_forward_pre_hook(
+                lambda *_: in_flight.append(engine_report(engine)["unsharded_in_flight"])
+            )
+        for _ in range(2):
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
+            engine.backward(engine.root_call(lambda: model(x).square().mean()))  # noqa: B023
+            engine.step(opt)
+            engine.zero_grad()
+        reports[name] = {**engine_report(engine), "in_flight_in_forward": in_flight, "units": len(engine.units)}
+    return reports
+
+
+def engine_report(engine: ShardingEngine) -> dict[str, int]:
+    from strategies.sharding.memory import memory_report
+
+    return memory_report(engine)
+
+
+def test_memory_report_matches_the_table(rank_pool):
+    """DESIGN.md, Adam in fp32: parameters / gradients / optimizer state bytes per rank are
+    ddp 4P / 4P / 8P, zero1 4P / 4P / 8P/N, zero2 4P / 4P/N / 8P/N, fsdp 4P/N / 4P/N / 8P/N,
+    each within the padding (fewer than N elements per unit)."""
+    N, P = 2, 182
+    reports = rank_pool(N).run(body_memory_reports)
+    table = {
+        "ddp": (4 * P, 4 * P, 8 * P),
+        "zero1": (4 * P, 4 * P, 8 * P / N),
+        "zero2": (4 * P, 4 * P / N, 8 * P / N),
+        "fsdp": (4 * P / N, 4 * P / N, 8 * P / N),
+    }
+    for name, expected in table.items():
+        for report in reports:
+            slack = report[name]["units"] * N * FP32_BYTES  # padding: < N elements per unit, 2 tensors for Adam
+            got = (report[name]["parameters"], report[name]["gradients"], report[name]["optimizer_state"])
+            for kind, want, have in zip(("parameters", "gradients", "optimizer_state"), expected, got):
+                assert abs(have - want) <= 2 * slack, (name, kind, have, want)
+        # The ranks together hold Adam's two moments of every element: once each when sharded, N times in ddp.
+        copies = N if name == "ddp" else 1
+        assert sum(r[name]["optimizer_state"] for r in reports) == copies * 8 * P, name
+    fsdp = reports[0]["fsdp"]
+    assert fsdp["unsharded_in_flight"] == 0, "fsdp left a unit unsharded after the step"
+    # While blocks.1 computes, only it and the root unit (out: 18 elements, padded to 18) are gathered.
+    assert fsdp["in_flight_in_forward"] == [FP32_BYTES * (82 + 18)] * 2
+
+
+# --------------------------------------------------------------------------------------------- shard layout
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_layout_pieces_cover_every_element_exactly_once(world_size):
+    shapes = [torch.Size(s) for s in [(3, 5), (7,), (1,), (2, 2, 3), (0,), (11,)]]
+    layout = FlatLayout(shapes, world_size)
+    total = sum(s.numel() for s in shapes)
+    assert layout.total == total
+    assert layout.padded_total % world_size == 0 and 0 <= layout.padding < world_size
+    assert layout.padded_total == layout.shard_size * world_size
+    seen = [torch.zeros(s.numel(), dtype=torch.long) for s in shapes]
+    flat = torch.arange(layout.padded_total, dtype=torch.float64)
+    for rank in range(world_size):
+        lo, hi = layout.shard_range(rank)
+        assert hi - lo == layout.shard_size
+        shard = flat[lo:hi]
+        previous_end = 0
+        for piece in layout.pieces(rank):
+            assert piece.numel > 0 and piece.shard_offset >= previous_end
+            previous_end = piece.shard_offset + piece.numel
+            assert previous_end <= layout.shard_size
+            seen[piece.param_index][piece.start : piece.end] += 1
+            # The piece's place in the shard holds exactly those elements of the flat buffer.
+            expected = layout.offsets[piece.param_index] + torch.arange(piece.start, piece.end, dtype=torch.float64)
+            assert torch.equal(shard[piece.shard_offset : piece.shard_offset + piece.numel], expected)
+    assert all(torch.equal(s, torch.ones_like(s)) for s in seen), "an element is owned by no rank or by two"
+    views = layout.views(flat)
+    assert [v.shape for v in views] == shapes
+    assert all(v.numel() == 0 or v.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for v in views)
+
+
+# ------------------------------------------------------------------------------------- wrap policies, units
+
+
+def unit_names(model: nn.Module, policy) -> dict[str, list[str]]:
+    engine = ShardingEngine(model, FULL_SHARD, wrap_policy=resolve_wrap_policy(policy))
+    return {u.name: u.param_names for u in engine.units}
+
+
+def test_wrap_policies_choose_units():
+    by_class = unit_names(new_model(), {Block})
+    assert set(by_class) == {"blocks.0", "blocks.1", ""}
+    assert by_class["blocks.1"] == ["blocks.1.l1.weight", "blocks.1.l1.bias", "blocks.1.l2.weight", "blocks.1.l2.bias"]
+    assert sorted(by_class[""]) == ["emb.weight", "frozen.bias", "frozen.weight"]  # head.weight is emb.weight
+    # int: a Block holds 82 parameters, the ModuleList of both 164.
+    assert set(unit_names(new_model(), 80)) == {"blocks.0", "blocks.1", ""}
+    assert set(unit_names(new_model(), 83)) == {"blocks", ""}
+    assert set(unit_names(new_model(), lambda module, name: name == "blocks.1")) == {"blocks.1", ""}
+    assert set(unit_names(new_model(), None)) == {""}
+    with pytest.raises(TypeError, match="auto_wrap_policy"):
+        FSDPStrategy(auto_wrap_policy="blocks")
+
+
+class HandWrapped(TiedLM):
+    def configure_model(self) -> None:
+        mark_as_unit(self.blocks[0])
+        mark_as_unit(self.frozen)
+
+
+def test_mark_as_unit_in_configure_model():
+    trainer = fit(new_model(HandWrapped), "fsdp", 1, PER_RANK_BATCH, steps=1)
+    units = {u.name: u.param_names for u in trainer.strategy.engine.units}
+    assert set(units) == {"blocks.0", "frozen", ""}
+    assert units["frozen"] == ["frozen.weight", "frozen.bias"]
+
+
+class Leaf(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Leaf(), Leaf()
+        self.b.lin.weight = self.a.lin.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class NestedTied(TiedLM):
+    """A weight shared by two wrapped Leafs whose nearest wrapped common ancestor is the Stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.blocks, self.frozen
+        self.stage = Stage()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stage(self.emb(x)))
+
+
+def test_tied_parameter_lands_in_the_common_ancestor_unit():
+    units = unit_names(new_model(NestedTied), {Stage, Leaf})
+    assert units["stage"] == ["stage.a.lin.weight"]
+    assert units["stage.a"] == ["stage.a.lin.bias"] and units["stage.b"] == ["stage.b.lin.bias"]
+    # Without the Stage wrapped, the nearest common ancestor is the root.
+    units = unit_names(new_model(NestedTied), {Leaf})
+    assert "stage.a.lin.weight" in units[""] and units["stage.a"] == ["stage.a.lin.bias"]
+
+
+# --------------------------------------------------------------- options that must not change the numbers
+
+
+def count_block_forwards(run):
+    calls = []
+    original = Block.forward
+    Block.forward = lambda self, x: (calls.append(1), original(self, x))[1]
+    try:
+        return run(), len(calls)
+    finally:
+        Block.forward = original
+
+
+def body_fsdp_options() -> dict[str, tuple[dict[str, torch.Tensor], int]] | None:
+    world = dist.get_world_size()
+    runs = {
+        "default": lambda: FSDPStrategy(auto_wrap_policy={Block}),
+        "keep_after_forward": lambda: FSDPStrategy(auto_wrap_policy={Block}, reshard_after_forward=False),
+        "activation_checkpointing": lambda: FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing={Block}),
+    }
+    out = {}
+    for name, strategy in runs.items():
+        trainer, forwards = count_block_forwards(lambda: fit(new_model(), strategy(), world, PER_RANK_BATCH))  # noqa: B023
+        out[name] = trainer.strategy.full_state_dict(), forwards
+    nested_policy = {Stage, Leaf}
+    trainer = fit(new_model(NestedTied), FSDPStrategy(auto_wrap_policy=nested_policy), world, PER_RANK_BATCH)
+    out["nested_tied"] = trainer.strategy.full_state_dict(), 0
+    return out if dist.get_rank() == 0 else None
+
+
+def test_fsdp_options_give_the_same_weights(rank_pool):
+    results = rank_pool(2).run(body_fsdp_options)[0]
+    want = reference_weights(2, "sgd")
+    micro_batches = STEPS * ACCUMULATE
+    default, forwards = results["default"]
+    assert forwards == 2 * micro_batches
+    assert max_relative_difference(default, want) <= 1e-5
+    kept, forwards = results["keep_after_forward"]
+    assert forwards == 2 * micro_batches
+    assert max_relative_difference(kept, default) <= 1e-6
+    checkpointed, forwards = results["activation_checkpointing"]
+    assert forwards == 2 * 2 * micro_batches, "activation checkpointing did not recompute the blocks"
+    assert max_relative_difference(checkpointed, default) <= 1e-6
+    # The weight shared inside the Stage is updated once per step, as on one process.
+    module = new_model(NestedTied)
+    reference = fit(module, "single", 1, 2 * PER_RANK_BATCH)
+    nested = results["nested_tied"][0]
+    assert max_relative_difference(nested, reference.strategy.full_state_dict()) <= 1e-5
+    assert torch.equal(nested["stage.a.lin.weight"], nested["stage.b.lin.weight"])
+
+
+# ------------------------------------------------------------------------------------------ mixed precision
+
+BF16_TOLERANCE = 2e-2  # bf16 keeps 8 bits of mantissa; after 3 steps weights differ from fp32 by far less
+
+
+def body_bf16_against_fp32() -> dict[str, dict[str, torch.Tensor]] | None:
+    world = dist.get_world_size()
+    out = {}
+    for name, precision in itertools.product(("ddp", "fsdp"), ("32", "bf16-mixed")):
+        trainer = fit(new_model(), make_strategy(name), world, PER_RANK_BATCH, precision=precision)
+        out[f"{name}/{precision}"] = trainer.strategy.full_state_dict()
+    return out if dist.get_rank() == 0 else None
+
+
+def test_bf16_mixed_stays_close_to_fp32(rank_pool):
+    results = rank_pool(2).run(body_bf16_against_fp32)[0]
+    for name in ("ddp", "fsdp"):
+        fp32, bf16 = results[f"{name}/32"], results[f"{name}/bf16-mixed"]
+        assert all(v.dtype == torch.float32 for v in bf16.values() if v.is_floating_point())  # fp32 masters
+        difference = max_relative_difference(bf16, fp32)
+        assert 0 < difference <= BF16_TOLERANCE, (name, difference)  # > 0: bf16 really was used
+
+
+class OverflowOnce(TiedLM):
+    """On rank 1's first micro-batch the gradient of blocks.1.l1.weight overflows fp32. Under zero2 and fsdp
+    that weight's gradient lives in rank 0's shard after the reduce-scatter, so the ranks see the overflow in
+    different places and must still agree to skip the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer_steps = 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if getattr(self, 'inject', True) and batch_idx == 0 and dist.get_rank() == 1:
+            loss = loss + 1e36 * self.blocks[1].l1.weight.sum()
+        return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.optimizer_steps += 1
+
+
+def body_fp16_skips_overflowing_steps() -> dict[str, tuple]:
+    out = {}
+    for name in ("ddp", "zero2", "fsdp"):
+        module = new_model(OverflowOnce)
+        trainer = fit(module, make_strategy(name), dist.get_world_size(), PER_RANK_BATCH, precision="16-mixed")
+        local = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out[name] = (trainer.global_step, module.optimizer_steps, trainer.precision.scaler.scale_value,
+                     trainer.strategy.full_state_dict(), local)
+    return out
+
+
+def test_fp16_mixed_skips_an_overflowing_step_on_every_rank(rank_pool):
+    ranks = rank_pool(2).run(body_fp16_skips_overflowing_steps)
+    initial = new_model().state_dict()
+    for name in ("ddp", "zero2", "fsdp"):
+        for rank in ranks:
+            global_step, optimizer_steps, scale, full, _ = rank[name]
+            assert global_step == STEPS
+            assert optimizer_steps == STEPS - 1, f"{name}: the overflowing step was not skipped on every rank"
+            assert scale == 2.0**15
+            assert all(torch.isfinite(v).all() for v in full.values())
+            assert max_relative_difference(full, initial) > 1e-3  # the later steps did train
+        assert max_relative_difference(ranks[0][name][3], ranks[1][name][3]) == 0
+    # ddp keeps whole replicas: they must be identical on both ranks.
+    assert max_relative_difference(ranks[0]["ddp"][4], ranks[1]["ddp"][4]) == 0
+
+
+# ---------------------------------------------------------------------------------------------- BatchNorm
+
+
+class Normed(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.bn(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def normed_dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 3, generator=g) * torch.tensor([1.0, 3.0, 0.5]) + torch.tensor([2.0, -1.0, 0.0])
+    x[1::2] += 5.0  # rank 1 of 2 sees very different statistics from rank 0
+    return TensorDataset(x, torch.randn(24, 2, generator=g))
+
+
+def body_batchnorm_statistics() -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for name in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        module = Normed()
+        fit(module, name, dist.get_world_size(), PER_RANK_BATCH, dataset=normed_dataset())
+        out[name] = {k: v.clone() for k, v in module.bn.state_dict().items()}
+    return out
+
+
+def test_batchnorm_running_statistics_are_rank_zeros_on_every_rank(rank_pool):
+    """As with torch DDP's broadcast_buffers, rank 0's buffers are the truth: its running statistics come from
+    its own batches, and every rank ends with them."""
+    ranks = rank_pool(2).run(body_batchnorm_statistics)
+    x = normed_dataset().tensors[0][0::2]  # rank 0's samples, in order
+    mean, var = torch.zeros(3), torch.ones(3)
+    for k in range(STEPS * ACCUMULATE):
+        batch = x[k * PER_RANK_BATCH : (k + 1) * PER_RANK_BATCH]
+        mean = 0.9 * mean + 0.1 * batch.mean(0)
+        var = 0.9 * var + 0.1 * batch.var(0, unbiased=True)
+    for name in ("ddp", "fsdp"):
+        for rank, stats in enumerate(ranks):
+            assert torch.allclose(stats[name]["running_mean"], mean, atol=1e-6), (name, rank)
+            assert torch.allclose(stats[name]["running_var"], var, atol=1e-5), (name, rank)
+            assert stats[name]["num_batches_tracked"].item() == STEPS * ACCUMULATE
