@@ -93,8 +93,9 @@ class Strategy:
         return {}
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module.to(self.root_device)
-        self.engine = ShardingEngine(module, self.spec, **self.engine_options())
+        # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
+        module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
+        self.engine = ShardingEngine(module, self.spec, device=self.root_device, **self.engine_options())
         return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from .base import Strategy
@@ -43,6 +44,10 @@ class FSDPStrategy(Strategy):
                 "use Trainer(precision='bf16-mixed')"
             )
         self.mixed_precision = mixed_precision
+
+    def model_init_context(self) -> Any:
+        """configure_model builds on the meta device: no memory until each rank materializes its shards."""
+        return torch.device("meta")
 
     def engine_options(self) -> dict[str, Any]:
         return {"wrap_policy": self.auto_wrap_policy, "reshard_after_forward": self.reshard_after_forward}

@@ -17,6 +17,7 @@ from torch import nn
 
 from .collectives import CommStats
 from .hooks import call_after_inputs_grad, call_before_outputs_grad
+from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .spec import ShardingSpec
 from .unit import ParamState, ShardUnit
 from .units import assign_to_units, gradient_buckets, policy_modules
@@ -32,8 +33,11 @@ class ShardingEngine:
         group: Any = None,
         wrap_policy: WrapPolicy | None = None,
         reshard_after_forward: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         self.module, self.spec, self.group = module, spec, group
+        self.device = device or next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
+        meta_ids = self._meta_ids = replace_meta_parameters(module, self.device)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.reshard_after_forward = reshard_after_forward
@@ -49,6 +53,8 @@ class ShardingEngine:
         self._next_reduce = 0
         self._forward_order: list[ShardUnit] = []
         self._last_forward_order: list[ShardUnit] = []
+        if meta_ids or has_meta_buffers(module):
+            materialize(module, meta_ids, self.device, self._write_full_parameter, group)
         self._register_grad_hooks()
         if spec.shard_parameters:
             self._register_module_hooks()
@@ -57,7 +63,7 @@ class ShardingEngine:
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers are the truth (parameters are broadcast per unit, see _build_units)."""
         if self.world_size > 1:
-            for b in self.module.buffers():
+            for b in (b for b in self.module.buffers() if not b.is_meta):
                 dist.broadcast(
                     b.data, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
                 )
@@ -81,7 +87,8 @@ class ShardingEngine:
         return units
 
     def _broadcast_params(self, params: list[tuple[str, nn.Parameter]]) -> None:
-        if self.world_size > 1:
+        params = [(n, p) for n, p in params if id(p) not in self._meta_ids]  # broadcast as they materialize
+        if self.world_size > 1 and params:
             flat = torch.cat([p.detach().reshape(-1) for _, p in params])
             dist.broadcast(
                 flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
@@ -99,7 +106,9 @@ class ShardingEngine:
                 f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                 "wrap the modules of each dtype as separate units"
             )
-        return ShardUnit(name, params, self.spec, self.rank, self.world_size, self.group, self.stats, module)
+        return ShardUnit(
+            name, params, self.spec, self.rank, self.world_size, self.group, self.stats, module, self.device
+        )
 
     def _register_grad_hooks(self) -> None:
         for unit in self.units:
@@ -211,6 +220,8 @@ class ShardingEngine:
             unit.reset_backward_state()
         self._next_reduce = 0
         self.in_backward = False
+        if self.sync_gradients:  # running statistics (BatchNorm) follow rank 0's, as with DDP's broadcast_buffers
+            self._broadcast_buffers()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -296,20 +307,16 @@ class ShardingEngine:
             if was_sharded:
                 unit.reshard()
 
+    def _write_full_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        unit, index = self._unit_of_param[id(param)]
+        unit.write_full_parameter(index, value)
+
     def write_full_parameters(self, values: dict[str, torch.Tensor]) -> None:
         """Overwrite every parameter with the given full tensors, keeping the sharded layout."""
-        with torch.no_grad():
-            for unit in self.units:
-                if self.spec.shard_parameters:
-                    for piece in unit.pieces:
-                        full = values[unit.param_names[piece.param_index]].reshape(-1)
-                        unit.master[piece.shard_offset : piece.shard_offset + piece.numel].copy_(
-                            full[piece.start : piece.end]
-                        )
-                    unit.reshard()
-                else:
-                    for name, view in zip(unit.param_names, unit.layout.views(unit.full_flat)):
-                        view.copy_(values[name])
+        for unit in self.units:
+            for index, name in enumerate(unit.param_names):
+                unit.write_full_parameter(index, values[name])
+            unit.reshard()  # a gathered copy would now be stale
 
     def unit_of(self, param: nn.Parameter) -> tuple[ShardUnit, int]:
         return self._unit_of_param[id(param)]

@@ -36,6 +36,7 @@ class ShardUnit:
         group: Any,
         stats: CommStats,
         module: nn.Module | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.name, self.module, self.spec = name, module, spec
         self.rank, self.world_size, self.group, self.stats = rank, world_size, group, stats
@@ -44,7 +45,7 @@ class ShardUnit:
         self.trainable = [p.requires_grad for p in self.params]
         self.layout = FlatLayout([p.shape for p in self.params], world_size)
         self.dtype = self.params[0].dtype
-        self.device = self.params[0].device
+        self.device = device or self.params[0].device
         self._build_full_buffer()
         self._build_gradient_buffers()
         self._build_optimizer_shard()
@@ -58,10 +59,11 @@ class ShardUnit:
 
     # ---- construction -------------------------------------------------------------------------------
     def _build_full_buffer(self) -> None:
-        full = torch.zeros(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
         with torch.no_grad():
+            full[self.layout.total :].zero_()
             for view, p in zip(self.layout.views(full), self.params):
-                view.copy_(p.detach())
+                view.copy_(p.detach())  # (parameters made on the meta device are written later, materialize.py)
                 p.data = view
         self.full_flat = full
         self._full_nbytes = full.untyped_storage().nbytes()
@@ -135,6 +137,18 @@ class ShardUnit:
         self.wait_unshard()
         self.full_flat.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
+
+    def write_full_parameter(self, index: int, value: torch.Tensor) -> None:
+        """Store a full value of parameter `index`: only this rank's piece when parameters are sharded."""
+        with torch.no_grad():
+            if self.spec.shard_parameters:
+                for piece in self.pieces:
+                    if piece.param_index == index:
+                        target = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
+                        target.copy_(value.reshape(-1)[piece.start : piece.end])
+            else:
+                offset, n = self.layout.offsets[index], self.layout.numels[index]
+                self.full_flat[offset : offset + n].copy_(value.reshape(-1))
 
     def gather_replicas_after_step(self) -> None:
         """zero1/zero2: every rank updated its slice of the replicated parameters; share them."""
