@@ -119,14 +119,38 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 }
 
 
+class Linear(nn.Linear):
+    """nn.Linear with GPT-2's initialisation (normal weights, zero bias) in `reset_parameters`, torch's
+    convention, so a model built on the meta device and materialized layer by layer gets the same values."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02) -> None:
+        self.std = std  # set first: nn.Linear's constructor calls reset_parameters
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+
+def residual_std(config: GPTConfig) -> float:
+    """GPT-2 scales the init of projections into the residual stream down by depth."""
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         if config.n_embd % config.n_head:
             raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
         self.n_head, self.dropout = config.n_head, config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,8 +164,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,27 +191,13 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wte = Embedding(config.vocab_size, config.n_embd)
+        self.wpe = Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
-        self.init_weights()
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """GPT-2 initialisation; residual projections scaled down by depth."""
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.n_layer))
-            elif p.dim() >= 2:
-                nn.init.normal_(p, std=0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.ones_(p)  # layer norm weights
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -2,7 +2,7 @@
 
 from .base import Strategy
 from .ddp import DDPStrategy
-from .fsdp import FSDPStrategy
+from .fsdp import FSDPStrategy, MixedPrecision
 from .registry import STRATEGIES, get_strategy
 from .sharding import mark_as_unit
 from .single import SingleDeviceStrategy
@@ -11,6 +11,7 @@ from .zero import ZeroStrategy
 __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
+    "MixedPrecision",
     "STRATEGIES",
     "SingleDeviceStrategy",
     "Strategy",

@@ -3,14 +3,33 @@ all-gathered just before it computes and freed right after."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from .base import Strategy
-from .sharding import FULL_SHARD
+from .checkpointing import apply_activation_checkpointing
+from .sharding import FULL_SHARD, UnitOptions
 from .wrap import resolve_wrap_policy
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Compute with parameters gathered in `param_dtype` and reduce gradients in `reduce_dtype` (default: the
+    param dtype); master weights and optimizer state stay in the parameters' own dtype (fp32)."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"MixedPrecision: {name} must be a floating torch.dtype or None, got {value!r}")
 
 
 class FSDPStrategy(Strategy):
@@ -23,41 +42,43 @@ class FSDPStrategy(Strategy):
         cpu_offload: bool = False,
         activation_checkpointing: Any = None,
         reshard_after_forward: bool = True,
-        mixed_precision: Any = None,
+        mixed_precision: MixedPrecision | None = None,
+        activation_offload: bool = False,
     ) -> None:
         super().__init__()
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
-        self.activation_checkpointing = activation_checkpointing
-        if activation_checkpointing is not None:
-            resolve_wrap_policy(activation_checkpointing)  # same forms as auto_wrap_policy; validate early
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(
-                f"FSDPStrategy: reshard_after_forward must be a bool, got {reshard_after_forward!r}"
-            )
+        # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
+        self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing)
+        for name, value in [("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload),
+                            ("activation_offload", activation_offload)]:
+            if not isinstance(value, bool):
+                raise TypeError(f"FSDPStrategy: {name} must be a bool, got {value!r}")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"FSDPStrategy: mixed_precision must be a MixedPrecision or None, got {mixed_precision!r}")
         self.reshard_after_forward = reshard_after_forward
-        if cpu_offload:
-            raise NotImplementedError("FSDPStrategy(cpu_offload=True) is not implemented yet")
-        self.cpu_offload = cpu_offload
-        if mixed_precision is not None:
-            raise NotImplementedError(
-                "FSDPStrategy(mixed_precision=...) is not implemented yet; "
-                "use Trainer(precision='bf16-mixed')"
-            )
-        self.mixed_precision = mixed_precision
+        self.cpu_offload, self.activation_offload = cpu_offload, activation_offload
+        self.mixed_precision = mixed_precision or MixedPrecision()
 
     def model_init_context(self) -> Any:
         """configure_model builds on the meta device: no memory until each rank materializes its shards."""
         return torch.device("meta")
 
     def engine_options(self) -> dict[str, Any]:
-        return {"wrap_policy": self.auto_wrap_policy, "reshard_after_forward": self.reshard_after_forward}
+        options = UnitOptions(self.mixed_precision.param_dtype, self.mixed_precision.reduce_dtype, self.cpu_offload)
+        return {"wrap_policy": self.auto_wrap_policy, "reshard_after_forward": self.reshard_after_forward,
+                "unit_options": options}
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self.activation_checkpointing is not None:
-            from .checkpointing import apply_activation_checkpointing
-
-            apply_activation_checkpointing(module, resolve_wrap_policy(self.activation_checkpointing))
+            apply_activation_checkpointing(module, self.activation_checkpointing)
         return super().setup_module(module)
 
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        # Activations saved for backward go to CPU memory (pinned when a GPU is used) and come back in backward.
+        offload = torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda")
+        with offload if self.activation_offload and torch.is_grad_enabled() else nullcontext():
+            return super().call(fn, *args)
+
     def __repr__(self) -> str:
-        return f"FSDPStrategy(reshard_after_forward={self.reshard_after_forward})"
+        return (f"FSDPStrategy(reshard_after_forward={self.reshard_after_forward}, cpu_offload={self.cpu_offload}, "
+                f"mixed_precision={self.mixed_precision})")

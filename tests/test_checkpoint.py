@@ -3,10 +3,13 @@ strategies and world sizes, `last`, corruption, the consolidate tool and checks 
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -115,6 +118,21 @@ def assert_states_close(a: dict, b: dict, atol: float) -> None:
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def keeps_determinism_setting(body: Callable) -> Callable:
+    """Trainer(deterministic=True) switches torch to deterministic algorithms for the whole process; a body
+    run on the shared rank pool switches it back so that later tests see the workers as they were."""
+
+    @functools.wraps(body)
+    def run(*args, **kwargs):
+        before = torch.are_deterministic_algorithms_enabled()
+        try:
+            return body(*args, **kwargs)
+        finally:
+            torch.use_deterministic_algorithms(before)
+
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _restore_determinism():
     before = torch.are_deterministic_algorithms_enabled()
@@ -123,6 +141,7 @@ def _restore_determinism():
 
 
 # -- the format: every strategy at two ranks, read back with no process group --------------------------------
+@keeps_determinism_setting
 def _save_body(root: str, strategy: str) -> dict | None:
     trainer, module = fit(root, strategy, 2, max_steps=3, save_to=os.path.join(root, strategy))
     full = trainer.strategy.full_state_dict()
@@ -285,6 +304,7 @@ class Snapshot(Callback):
         }
 
 
+@keeps_determinism_setting
 def _resume_body(root: str, strategy: str, devices: int, stop: int, total: int) -> dict | None:
     root = os.path.join(root, f"{strategy}-{stop}")
     args = dict(module_kwargs={"dropout": 0.2})
@@ -294,11 +314,11 @@ def _resume_body(root: str, strategy: str, devices: int, stop: int, total: int) 
     first, _ = fit(os.path.join(root, "b"), strategy, devices, stop, save_to=path, **args)
     saved = first.strategy.full_state_dict()
     snapshot = Snapshot()
-    resumed, module = fit(os.path.join(root, "c"), strategy, devices, total, ckpt_path=path,
-                          callbacks=[snapshot], **args)
+    resumed, _ = fit(os.path.join(root, "c"), strategy, devices, total, ckpt_path=path, callbacks=[snapshot],
+                     **args)
     return rank_zero(resumed, {"final": final, "saved": saved, "start": snapshot.start, "path": path,
                                "resumed": resumed.strategy.full_state_dict(), "step": resumed.global_step,
-                               "epoch": resumed.current_epoch, "module_extra": module.hparams})
+                               "epoch": resumed.current_epoch})
 
 
 @pytest.mark.parametrize("strategy, devices, stop", [
@@ -331,11 +351,12 @@ def _plant_incomplete_checkpoints(dirpath: str) -> None:
     shutil.copytree(os.path.join(dirpath, "last"), os.path.join(dirpath, "epoch=9-step=98.tmp-0123abcd"))
     meta_path = os.path.join(dirpath, "epoch=9-step=98.tmp-0123abcd", "meta.json")
     with open(meta_path) as f:
-        text = f.read().replace('"global_step": 6', '"global_step": 98')
+        meta = json.load(f)
     with open(meta_path, "w") as f:
-        f.write(text)
+        json.dump({**meta, "global_step": 98}, f)
 
 
+@keeps_determinism_setting
 def _last_body(root: str) -> dict | None:
     args = dict(module_kwargs={"dropout": 0.2})
     straight, _ = fit(os.path.join(root, "a"), "zero1", 2, 10, **args)
@@ -414,7 +435,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
     assert len(leftovers) == 1 and leftovers[0].startswith("last.tmp-")
     assert ckpt_io.find_last(str(tmp_path / "ckpts")) == path
 
-    trainer.save_checkpoint(path)  # a good save replaces it, leaving nothing beside it
+    trainer.save_checkpoint(path)  # a good save replaces it; only the failed attempt's staging folder is left
     assert sorted(os.listdir(tmp_path / "ckpts")) == sorted(["last", *leftovers])
     assert torch.equal(ckpt_io.load_full_state_dict(path)["net.embed.weight"], good["net.embed.weight"] + 1)
 
@@ -430,6 +451,7 @@ class SaveAtStart(Callback):
         trainer.save_checkpoint(self.path)
 
 
+@keeps_determinism_setting
 def _reshard_phase(root: str, strategy: str, devices: int, source: str | None, max_steps: int) -> None:
     name = f"{strategy}{devices}"
     callbacks = [SaveAtStart(os.path.join(root, f"{name}-loaded"))] if source else []

@@ -35,7 +35,7 @@ from tests.test_parity import (
     reference_weights,
     token_dataset,
 )
-from trainer import Trainer, TrainModule
+from trainer import TrainModule
 
 SPECS = {"ddp": REPLICATED, "zero1": ZERO1, "zero2": ZERO2, "fsdp": FULL_SHARD}
 FP32_BYTES = 4
@@ -157,11 +157,11 @@ def body_memory_reports() -> dict[str, dict]:
         in_flight = []
         if name == "fsdp":  # registered after the engine's hooks: runs once blocks.1 is gathered
             model.blocks[1].register_forward_pre_hook(
-                lambda *_: in_flight.append(engine_report(engine)["unsharded_in_flight"])
+                lambda *_, e=engine, seen=in_flight: seen.append(engine_report(e)["unsharded_in_flight"])
             )
         for _ in range(2):
             x = torch.randn(4, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
-            engine.backward(engine.root_call(lambda: model(x).square().mean()))  # noqa: B023
+            engine.backward(engine.root_call(lambda m, x: m(x).square().mean(), model, x))
             engine.step(opt)
             engine.zero_grad()
         reports[name] = {**engine_report(engine), "in_flight_in_forward": in_flight, "units": len(engine.units)}
@@ -330,7 +330,7 @@ def body_fsdp_options() -> dict[str, tuple[dict[str, torch.Tensor], int]] | None
     }
     out = {}
     for name, strategy in runs.items():
-        trainer, forwards = count_block_forwards(lambda: fit(new_model(), strategy(), world, PER_RANK_BATCH))  # noqa: B023
+        trainer, forwards = count_block_forwards(lambda s=strategy: fit(new_model(), s(), world, PER_RANK_BATCH))
         out[name] = trainer.strategy.full_state_dict(), forwards
     nested_policy = {Stage, Leaf}
     trainer = fit(new_model(NestedTied), FSDPStrategy(auto_wrap_policy=nested_policy), world, PER_RANK_BATCH)
@@ -383,47 +383,74 @@ def test_bf16_mixed_stays_close_to_fp32(rank_pool):
 
 
 class OverflowOnce(TiedLM):
-    """On rank 1's first micro-batch the gradient of blocks.1.l1.weight overflows fp32. Under zero2 and fsdp
-    that weight's gradient lives in rank 0's shard after the reduce-scatter, so the ranks see the overflow in
-    different places and must still agree to skip the step."""
+    """On one rank's first micro-batch the gradient of frozen.bias (a root-unit parameter, so it may be read in
+    training_step under fsdp too) overflows fp32. The injecting rank is chosen so that, under zero2 and fsdp,
+    the bias's gradient lands in the other rank's shard after the reduce-scatter: the ranks then see the
+    overflow in different places and must still agree to skip the step."""
 
-    def __init__(self) -> None:
+    def __init__(self, inject_rank: int = 1) -> None:
         super().__init__()
+        self.inject_rank = inject_rank
         self.optimizer_steps = 0
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        if getattr(self, 'inject', True) and batch_idx == 0 and dist.get_rank() == 1:
-            loss = loss + 1e36 * self.blocks[1].l1.weight.sum()
+        if batch_idx == 0 and dist.get_rank() == self.inject_rank:
+            loss = loss + 1e36 * self.frozen.bias.sum()
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
         self.optimizer_steps += 1
 
 
+# frozen.bias is the first parameter of the zero2 bucket (reverse registration order: rank 0's shard) and the
+# last of the fsdp root unit (rank 1's shard).
+INJECT_RANK = {"ddp": 1, "zero2": 1, "fsdp": 0}
+
+
 def body_fp16_skips_overflowing_steps() -> dict[str, tuple]:
+    from trainer.precision import LossScaler
+
     out = {}
-    for name in ("ddp", "zero2", "fsdp"):
-        module = new_model(OverflowOnce)
-        trainer = fit(module, make_strategy(name), dist.get_world_size(), PER_RANK_BATCH, precision="16-mixed")
-        local = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    original = LossScaler.unscale_and_check
+    for name, inject_rank in INJECT_RANK.items():
+        local_overflow = []
+
+        def check(self, gradients, any_rank, _seen=local_overflow):
+            _seen.append(any(not torch.isfinite(g).all() for g in gradients))
+            return original(self, gradients, any_rank)
+
+        LossScaler.unscale_and_check = check
+        try:
+            module = new_model(OverflowOnce, inject_rank=inject_rank)
+            trainer = fit(module, make_strategy(name), dist.get_world_size(), PER_RANK_BATCH, precision="16-mixed")
+        finally:
+            LossScaler.unscale_and_check = original
+        local = {k: v.detach().clone() for k, v in module.state_dict().items()} if name == "ddp" else None
         out[name] = (trainer.global_step, module.optimizer_steps, trainer.precision.scaler.scale_value,
-                     trainer.strategy.full_state_dict(), local)
+                     trainer.strategy.full_state_dict(), local, local_overflow)
     return out
 
 
 def test_fp16_mixed_skips_an_overflowing_step_on_every_rank(rank_pool):
     ranks = rank_pool(2).run(body_fp16_skips_overflowing_steps)
     initial = new_model().state_dict()
-    for name in ("ddp", "zero2", "fsdp"):
+    for name in INJECT_RANK:
         for rank in ranks:
-            global_step, optimizer_steps, scale, full, _ = rank[name]
+            global_step, optimizer_steps, scale, full, _, _ = rank[name]
             assert global_step == STEPS
             assert optimizer_steps == STEPS - 1, f"{name}: the overflowing step was not skipped on every rank"
             assert scale == 2.0**15
             assert all(torch.isfinite(v).all() for v in full.values())
             assert max_relative_difference(full, initial) > 1e-3  # the later steps did train
         assert max_relative_difference(ranks[0][name][3], ranks[1][name][3]) == 0
+        local_overflow = [rank[name][5] for rank in ranks]
+        if name == "ddp":  # all-reduced gradients: every rank sees the overflow itself
+            assert local_overflow == [[True, False, False]] * 2
+        else:  # only the rank owning frozen.bias's shard sees it
+            owner = 1 - INJECT_RANK[name]
+            assert local_overflow[owner] == [True, False, False]
+            assert local_overflow[1 - owner] == [False, False, False]
     # ddp keeps whole replicas: they must be identical on both ranks.
     assert max_relative_difference(ranks[0]["ddp"][4], ranks[1]["ddp"][4]) == 0
 
@@ -461,7 +488,7 @@ def body_batchnorm_statistics() -> dict[str, dict[str, torch.Tensor]]:
         torch.manual_seed(0)
         module = Normed()
         fit(module, name, dist.get_world_size(), PER_RANK_BATCH, dataset=normed_dataset())
-        out[name] = {k: v.clone() for k, v in module.bn.state_dict().items()}
+        out[name] = {k: v.clone() for k, v in module.bn.named_buffers()}  # fsdp parameters are sharded
     return out
 
 

@@ -127,6 +127,24 @@ def test_gpt_model_ties_head_and_embedding() -> None:
     assert gpt.GPT(gpt.GPT_PRESETS["30m"]).num_parameters() == pytest.approx(30e6, rel=0.1)
 
 
+def test_gpt_built_on_meta_and_reset_layer_by_layer_equals_eager() -> None:
+    """As sharded strategies build configure_model: each layer's reset_parameters() gives the eager values."""
+    config = gpt.GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    eager = gpt.GPT(config)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lazy = gpt.GPT(config)
+    lazy.to_empty(device="cpu")  # unties the head: each holder is reset, the first (wte) keeps its values
+    for module in lazy.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.reset_parameters()
+    lazy.lm_head.weight = lazy.wte.weight
+    for (name, p), q in zip(eager.named_parameters(), lazy.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert eager.h[0].attn.c_proj.weight.std() < 0.75 * eager.h[0].attn.c_attn.weight.std()  # scaled by depth
+
+
 def test_gpt_quickstart_command_runs_tiny_on_two_ranks(tmp_path: Path) -> None:
     """The README quickstart as the user types it (a script that starts its second rank), at a tiny size."""
     proc = run_example("gpt.py", "--devices", "2", "--max-steps", "4", "--val-check-interval", "2",
@@ -142,7 +160,7 @@ def test_gpt_quickstart_command_runs_tiny_on_two_ranks(tmp_path: Path) -> None:
     assert events, "no TensorBoard event file written"
     scalars = EventAccumulator(events[0])
     scalars.Reload()
-    assert {"train/loss", "val/loss", "lr-AdamW/pg1"} <= set(scalars.Tags()["scalars"]), scalars.Tags()
+    assert {"val/loss", "lr-AdamW/pg1", "lr-AdamW/pg2"} <= set(scalars.Tags()["scalars"]), scalars.Tags()
     assert [e.step for e in scalars.Scalars("val/loss")] == [2, 4]
     checkpoints = [p.name for p in (tmp_path / "runs").rglob("checkpoints/*") if p.is_dir()]
     assert "last" in checkpoints and len(checkpoints) == 2, checkpoints

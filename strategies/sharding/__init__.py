@@ -1,7 +1,7 @@
 """The one sharding engine behind every strategy."""
 
 from .engine import ShardingEngine, WrapPolicy
-from .spec import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingSpec
+from .spec import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingSpec, UnitOptions
 from .units import mark_as_unit
 
 __all__ = [
@@ -10,7 +10,7 @@ __all__ = [
     "ZERO1",
     "ZERO2",
     "ShardingEngine",
-    "ShardingSpec",
+    "ShardingSpec", "UnitOptions",
     "WrapPolicy",
     "mark_as_unit",
 ]

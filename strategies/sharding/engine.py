@@ -18,7 +18,7 @@ from torch import nn
 from .collectives import CommStats
 from .hooks import call_after_inputs_grad, call_before_outputs_grad
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
-from .spec import ShardingSpec
+from .spec import ShardingSpec, UnitOptions
 from .unit import ParamState, ShardUnit
 from .units import assign_to_units, gradient_buckets, policy_modules
 
@@ -34,6 +34,7 @@ class ShardingEngine:
         wrap_policy: WrapPolicy | None = None,
         reshard_after_forward: bool = True,
         device: torch.device | None = None,
+        unit_options: UnitOptions | None = None,
     ) -> None:
         self.module, self.spec, self.group = module, spec, group
         self.device = device or next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
@@ -41,6 +42,9 @@ class ShardingEngine:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.reshard_after_forward = reshard_after_forward
+        self.unit_options = unit_options or UnitOptions()
+        if self.unit_options != UnitOptions() and not spec.shard_parameters:
+            raise ValueError("mixed precision and CPU offloading of the engine need sharded parameters (fsdp)")
         self.stats = CommStats()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.sync_gradients = True
@@ -107,7 +111,8 @@ class ShardingEngine:
                 "wrap the modules of each dtype as separate units"
             )
         return ShardUnit(
-            name, params, self.spec, self.rank, self.world_size, self.group, self.stats, module, self.device
+            name, params, self.spec, self.rank, self.world_size, self.group, self.stats, module, self.device,
+            self.unit_options,
         )
 
     def _register_grad_hooks(self) -> None:
@@ -138,7 +143,11 @@ class ShardingEngine:
             if root.module is self.module:
                 root.unshard()
             self._prefetch(self._last_forward_order[:1])
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        if self.spec.shard_parameters and not torch.is_grad_enabled():
+            for unit in self.units:  # no backward will come to free them (validation, prediction)
+                unit.reshard()
+        return result
 
     def _pre_forward(self, unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         unit.unshard()
@@ -299,13 +308,10 @@ class ShardingEngine:
 
     # ---- parameters in full -------------------------------------------------------------------------
     def iter_full_parameters(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
-        """Unit by unit, the unsharded parameter tensors (names of the first registration)."""
+        """Unit by unit, the full parameter tensors in master precision (names of the first registration)."""
         for unit in self.units:
-            was_sharded = unit.state is ParamState.SHARDED
-            unit.unshard()
-            yield unit.param_names, unit.layout.views(unit.full_flat)
-            if was_sharded:
-                unit.reshard()
+            full = unit.gather_full_master() if self.spec.shard_parameters else unit.full_flat
+            yield unit.param_names, unit.layout.views(full)
 
     def _write_full_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
         unit, index = self._unit_of_param[id(param)]

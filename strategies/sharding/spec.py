@@ -24,3 +24,12 @@ REPLICATED = ShardingSpec()
 ZERO1 = ShardingSpec(shard_optimizer_state=True)
 ZERO2 = ShardingSpec(shard_optimizer_state=True, shard_gradients=True)
 FULL_SHARD = ShardingSpec(shard_optimizer_state=True, shard_gradients=True, shard_parameters=True)
+
+
+@dataclass(frozen=True)
+class UnitOptions:
+    """How a unit stores and communicates its parameters (fsdp only; None keeps the parameters' dtype)."""
+
+    param_dtype: object = None  # dtype of the gathered parameters used for compute
+    reduce_dtype: object = None  # dtype gradients are reduced in
+    offload_to_cpu: bool = False  # master shards, gradients and optimizer state in CPU memory

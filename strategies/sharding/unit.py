@@ -16,7 +16,7 @@ from torch import nn
 
 from .collectives import CommStats, Work, all_gather, all_reduce_mean, reduce_scatter_sum, wait
 from .layout import FlatLayout, Piece
-from .spec import ShardingSpec
+from .spec import ShardingSpec, UnitOptions
 
 
 class ParamState(Enum):
@@ -37,6 +37,7 @@ class ShardUnit:
         stats: CommStats,
         module: nn.Module | None = None,
         device: torch.device | None = None,
+        options: UnitOptions | None = None,
     ) -> None:
         self.name, self.module, self.spec = name, module, spec
         self.rank, self.world_size, self.group, self.stats = rank, world_size, group, stats
@@ -44,9 +45,13 @@ class ShardUnit:
         self.params = [p for _, p in params]
         self.trainable = [p.requires_grad for p in self.params]
         self.layout = FlatLayout([p.shape for p in self.params], world_size)
-        self.dtype = self.params[0].dtype
+        options = options or UnitOptions()
+        self.dtype = self.params[0].dtype  # of the master weights and of checkpoints
+        self.compute_dtype = options.param_dtype or self.dtype  # of the gathered parameters
+        self.reduce_dtype = options.reduce_dtype or self.compute_dtype
         self.device = device or self.params[0].device
-        self._build_full_buffer()
+        self.shard_device = torch.device("cpu") if options.offload_to_cpu else self.device
+        self._build_parameter_buffers()
         self._build_gradient_buffers()
         self._build_optimizer_shard()
         self.state = ParamState.UNSHARDED
@@ -58,15 +63,25 @@ class ShardUnit:
             self.reshard()
 
     # ---- construction -------------------------------------------------------------------------------
-    def _build_full_buffer(self) -> None:
+    def _build_parameter_buffers(self) -> None:
+        """The flat buffer of full parameters (which every parameter becomes a view of) and, when optimizer
+        state is sharded, this rank's master slice. With replicated parameters the owned slice of the full
+        buffer is the master; under fsdp the full buffer is freed between uses, so the master is a copy, kept
+        in full precision (and in CPU memory with offloading) whatever the compute dtype."""
         full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             full[self.layout.total :].zero_()
             for view, p in zip(self.layout.views(full), self.params):
                 view.copy_(p.detach())  # (parameters made on the meta device are written later, materialize.py)
-                p.data = view
-        self.full_flat = full
-        self._full_nbytes = full.untyped_storage().nbytes()
+        lo, hi = self.layout.shard_range(self.rank)
+        if self.spec.shard_parameters:
+            self.master = full[lo:hi].clone().to(self.shard_device)
+        elif self.spec.shard_optimizer_state:
+            self.master = full[lo:hi]
+        self.full_flat = full.to(self.compute_dtype)
+        for view, p in zip(self.layout.views(self.full_flat), self.params):
+            p.data = view
+        self._full_nbytes = self.full_flat.untyped_storage().nbytes()
 
     def _build_gradient_buffers(self) -> None:
         self.has_trainable = any(self.trainable)
@@ -87,10 +102,6 @@ class ShardUnit:
         if not self.spec.shard_optimizer_state:
             return
         lo, hi = self.layout.shard_range(self.rank)
-        own = self.full_flat[lo:hi]
-        # With replicated parameters the owned slice of the full buffer is the master copy; under fsdp the
-        # full buffer is freed between uses, so the shard needs storage of its own.
-        self.master = own.detach().clone() if self.spec.shard_parameters else own
         if self.spec.shard_gradients:
             self.shard_grad = torch.zeros_like(self.master)
         else:
@@ -119,7 +130,7 @@ class ShardUnit:
                 self.wait_unshard()
             return
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
-        source = self.master if self.master.dtype == self.dtype else self.master.to(self.dtype)
+        source = self.master.to(self.device, self.compute_dtype, non_blocking=True)
         self._gather_work = all_gather(self.full_flat, source, self.group, self.stats, async_op=True)
         self.state = ParamState.UNSHARDING
         if not async_op:
@@ -168,7 +179,7 @@ class ShardUnit:
         p = self.params[index]
         if self.spec.shard_gradients:
             if self.grad_flat is None:
-                self.grad_flat = torch.zeros_like(self.full_flat)
+                self.grad_flat = self._new_reduce_buffer()
             offset, n = self.layout.offsets[index], self.layout.numels[index]
             self.grad_flat[offset : offset + n].view_as(p).add_(p.grad)
             p.grad = None
@@ -182,14 +193,17 @@ class ShardUnit:
         self.ready_count += 1
         return self.ready_count == sum(self.trainable)
 
+    def _new_reduce_buffer(self) -> torch.Tensor:
+        return torch.zeros(self.layout.padded_total, dtype=self.reduce_dtype, device=self.device)
+
     def launch_reduce(self, sync: bool) -> None:
         """Start averaging this unit's gradients across ranks (or skip it under no_sync)."""
         if not self.has_trainable or not sync:
             return
         if self.spec.shard_gradients:
             if self.grad_flat is None:  # no parameter of this unit was used on this rank
-                self.grad_flat = torch.zeros_like(self.full_flat)
-            self._reduce_output = torch.empty_like(self.shard_grad)
+                self.grad_flat = self._new_reduce_buffer()
+            self._reduce_output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
             self._reduce_work = reduce_scatter_sum(
                 self._reduce_output, self.grad_flat, self.group, self.stats, async_op=True
             )
@@ -203,7 +217,8 @@ class ShardUnit:
         wait(self._reduce_work)
         self._reduce_work = None
         if self.spec.shard_gradients:
-            self.shard_grad.add_(self._reduce_output, alpha=1.0 / self.world_size)
+            reduced = self._reduce_output.to(self.shard_device, self.shard_grad.dtype, non_blocking=True)
+            self.shard_grad.add_(reduced, alpha=1.0 / self.world_size)
             self._reduce_output = None
             self.grad_flat = None
         else:
@@ -223,9 +238,15 @@ class ShardUnit:
         grad = self.shard_grad if self.spec.shard_optimizer_state else self.grad_flat
         if grad is None:
             return torch.zeros((), dtype=torch.float32, device=self.device)
-        return grad.float().pow(2).sum()
+        return grad.float().pow(2).sum().to(self.device)
 
     def scale_grads_(self, factor: torch.Tensor) -> None:
         grad = self.shard_grad if self.spec.shard_optimizer_state else self.grad_flat
         if grad is not None:
-            grad.mul_(factor)
+            grad.mul_(factor.to(grad.device))
+
+    def gather_full_master(self) -> torch.Tensor:
+        """fsdp: every rank's master slice gathered into a new full-precision flat tensor (for state dicts)."""
+        full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
+        all_gather(full, self.master.to(self.device), self.group, self.stats, async_op=False)
+        return full
