@@ -16,10 +16,11 @@ import torch.distributed as dist
 from torch import nn
 
 
-def replace_meta_parameters(root: nn.Module, device: torch.device) -> set[int]:
+def replace_meta_parameters(root: nn.Module, device: torch.device) -> dict[int, torch.Size]:
     """Swap every meta parameter for an uninitialised one on `device` (the same object in every module holding
     it, so tied weights stay tied); returns their ids. torch cannot re-point a meta tensor at real storage, and
-    untouched pages of torch.empty cost no resident memory until the engine moves them into its buffers."""
+    untouched pages of torch.empty cost no resident memory until the engine moves them into its buffers.
+    Returns {id: shape} of the new parameters (the engine may point them at empty tensors while sharded)."""
     replaced: dict[int, nn.Parameter] = {}
     for module in root.modules():
         for key, p in module._parameters.items():
@@ -27,7 +28,7 @@ def replace_meta_parameters(root: nn.Module, device: torch.device) -> set[int]:
                 if id(p) not in replaced:
                     replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
                 module._parameters[key] = replaced[id(p)]
-    return {id(p) for p in replaced.values()}
+    return {id(p): p.shape for p in replaced.values()}
 
 
 def has_meta_buffers(root: nn.Module) -> bool:
@@ -41,7 +42,7 @@ def _broadcast(tensor: torch.Tensor, group: object) -> None:
 
 def materialize(
     root: nn.Module,
-    meta_ids: set[int],
+    meta_shapes: dict[int, torch.Size],
     device: torch.device,
     write_back: Callable[[nn.Parameter, torch.Tensor], None],
     group: object = None,
@@ -49,7 +50,7 @@ def materialize(
     """Initialise every meta parameter and buffer of `root`; `write_back(param, full_value)` stores a parameter."""
     done: set[int] = set()
     for name, module in root.named_modules():
-        own = [p for p in module._parameters.values() if p is not None and id(p) in meta_ids]
+        own = [p for p in module._parameters.values() if p is not None and id(p) in meta_shapes]
         buffers = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
         if not own and not buffers:
             continue
@@ -63,7 +64,7 @@ def materialize(
         resting = [p.data for p in own]
         with torch.no_grad():
             for p in own:
-                p.data = torch.empty(p.shape, dtype=p.dtype, device=device)
+                p.data = torch.empty(meta_shapes[id(p)], dtype=p.dtype, device=device)
             module.reset_parameters()
             for p, rest in zip(own, resting):
                 if id(p) not in done:  # a tied parameter keeps its first holder's initialisation

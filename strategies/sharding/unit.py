@@ -140,12 +140,19 @@ class ShardUnit:
         if self.state is ParamState.UNSHARDING:
             wait(self._gather_work)
             self._gather_work = None
+            for view, p in zip(self.layout.views(self.full_flat), self.params):
+                p.data = view
             self.state = ParamState.UNSHARDED
 
     def reshard(self) -> None:
         if not self.spec.shard_parameters or self.state is ParamState.SHARDED:
             return
         self.wait_unshard()
+        # Parameters point at an empty tensor while sharded, so reading one outside its unit's forward gives an
+        # empty tensor instead of touching freed memory (use the strategy's full_state_dict() for values).
+        empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
         self.full_flat.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
 
