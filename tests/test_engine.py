@@ -22,6 +22,8 @@ from strategies.sharding.layout import FlatLayout
 from strategies.wrap import resolve_wrap_policy
 from tests.test_parity import (
     ACCUMULATE,
+    DIM,
+    HIDDEN,
     PER_RANK_BATCH,
     STEPS,
     VOCAB,
@@ -507,3 +509,25 @@ def test_batchnorm_running_statistics_are_rank_zeros_on_every_rank(rank_pool):
             assert torch.allclose(stats[name]["running_mean"], mean, atol=1e-6), (name, rank)
             assert torch.allclose(stats[name]["running_var"], var, atol=1e-5), (name, rank)
             assert stats[name]["num_batches_tracked"].item() == STEPS * ACCUMULATE
+
+
+# --------------------------------------------------------------- sharded parameters outside a unit's forward
+
+
+def body_read_sharded_parameters() -> tuple[list[int], float, str]:
+    trainer = fit(new_model(), FSDPStrategy(auto_wrap_policy={Block}), dist.get_world_size(), PER_RANK_BATCH)
+    weight = trainer.module.blocks[0].l1.weight  # a wrapped unit's parameter, resharded after training
+    try:
+        with torch.no_grad():
+            weight.add_(1.0)
+        write_error = ""
+    except RuntimeError as error:
+        write_error = str(error)
+    return list(weight.shape), float(weight.abs().sum()), write_error
+
+
+def test_fsdp_parameters_keep_their_shape_and_read_as_zeros_while_sharded(rank_pool):
+    for shape, total, write_error in rank_pool(2).run(body_read_sharded_parameters):
+        assert shape == [HIDDEN, DIM]
+        assert total == 0.0
+        assert "single memory location" in write_error

@@ -148,11 +148,11 @@ class ShardUnit:
         if not self.spec.shard_parameters or self.state is ParamState.SHARDED:
             return
         self.wait_unshard()
-        # Parameters point at an empty tensor while sharded, so reading one outside its unit's forward gives an
-        # empty tensor instead of touching freed memory (use the strategy's full_state_dict() for values).
-        empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
-        for p in self.params:
-            p.data = empty
+        # While sharded, each parameter keeps its shape but reads as zeros from one shared element (stride 0),
+        # so code that inspects shapes still works and a stray read never touches freed memory; writes fail.
+        zero = torch.zeros((), dtype=self.compute_dtype, device=self.device)
+        for p, shape in zip(self.params, self.layout.shapes):
+            p.data = zero.expand(shape)
         self.full_flat.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
 
