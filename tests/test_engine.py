@@ -97,10 +97,12 @@ def body_communication_per_step(accumulate: int) -> dict[str, tuple[dict[str, in
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_communication_per_step_matches_theory(rank_pool, accumulate):
     """Per optimizer step and rank, with P the padded parameter elements: ddp all-reduces 2P; zero1 all-reduces
-    2P and all-gathers the updated P; zero2 reduce-scatters P per micro-batch and all-gathers P; fsdp
+    2P and all-gathers the updated P; zero2 reduces its gradients every micro-batch and all-gathers P; fsdp
     all-gathers every wrapped unit twice (forward, then again for backward since it was resharded) and the root
-    unit once (it stays unsharded from the start of forward to the end of backward, as in FSDP2), and
-    reduce-scatters P per micro-batch. Under no_sync (accumulation) ddp and zero1 do not communicate."""
+    unit once (it stays unsharded from the start of forward to the end of backward, as in FSDP2), and reduces
+    its gradients every micro-batch. Under no_sync (accumulation) ddp and zero1 do not communicate. On gloo a
+    gradient reduction for a shard is an all-reduce of 2P whose local slice is kept (gloo's own reduce-scatter
+    is an all-reduce plus copies, twice as slow); on nccl it is a reduce-scatter of P."""
     for elements in rank_pool(2).run(body_communication_per_step, accumulate):
         assert set(elements) == set(SPECS)
         for name, (sent, sizes) in elements.items():
@@ -108,8 +110,8 @@ def test_communication_per_step_matches_theory(rank_pool, accumulate):
             expected = {
                 "ddp": {"all_reduce": 2 * P},
                 "zero1": {"all_reduce": 2 * P, "all_gather": P},
-                "zero2": {"reduce_scatter": accumulate * P, "all_gather": P},
-                "fsdp": {"all_gather": accumulate * (2 * P - sizes.get("", 0)), "reduce_scatter": accumulate * P},
+                "zero2": {"all_reduce": accumulate * 2 * P, "all_gather": P},
+                "fsdp": {"all_gather": accumulate * (2 * P - sizes.get("", 0)), "all_reduce": accumulate * 2 * P},
             }[name]
             assert sent == expected, (name, sizes)
         fsdp_units = elements["fsdp"][1]
@@ -129,7 +131,7 @@ def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:
 
 def test_fsdp_without_reshard_after_forward_gathers_each_unit_once(rank_pool):
     for sent in rank_pool(2).run(body_fsdp_gathers_once_without_resharding):
-        assert sent["all_gather"] == sent["P"] and sent["reduce_scatter"] == sent["P"]
+        assert sent["all_gather"] == sent["P"] and sent["all_reduce"] == 2 * sent["P"]
 
 
 # ------------------------------------------------------------------------------------- memory (invariant 2)
@@ -531,3 +533,32 @@ def test_fsdp_parameters_keep_their_shape_and_read_as_zeros_while_sharded(rank_p
         assert shape == [HIDDEN, DIM]
         assert total == 0.0
         assert "single memory location" in write_error
+
+
+# --------------------------------------------------------------- collectives chosen for gloo
+
+
+def body_gloo_collectives_in_chunks() -> tuple[bool, bool]:
+    from strategies.sharding import collectives
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    stats = collectives.CommStats()
+    previous, collectives.GLOO_CHUNK_BYTES = collectives.GLOO_CHUNK_BYTES, 40  # force several chunks
+    try:
+        shard = torch.arange(25, dtype=torch.float32) + 100 * rank
+        full = torch.empty(25 * size)
+        collectives.all_gather(full, shard, None, stats, async_op=True).wait()
+        gathered = torch.equal(full, torch.cat([torch.arange(25.0) + 100 * r for r in range(size)]))
+        grads = torch.arange(25.0 * size) * (rank + 1)
+        out = torch.empty(25)
+        collectives.reduce_scatter_sum(out, grads, None, stats, async_op=True).wait()
+        total = sum(r + 1 for r in range(size))
+        reduced = torch.equal(out, torch.arange(25.0 * rank, 25.0 * (rank + 1)) * total)
+    finally:
+        collectives.GLOO_CHUNK_BYTES = previous
+    return gathered, reduced
+
+
+def test_gloo_all_gather_in_chunks_and_reduce_scatter_by_all_reduce_are_exact(rank_pool):
+    for world_size in (2, 3):
+        assert rank_pool(world_size).run(body_gloo_collectives_in_chunks) == [(True, True)] * world_size

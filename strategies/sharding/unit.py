@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .collectives import CommStats, Work, all_gather, all_reduce_mean, reduce_scatter_sum, wait
+from .collectives import CommStats, Work, all_gather, all_reduce_sum, reduce_scatter_sum, wait
 from .layout import FlatLayout, Piece
 from .spec import ShardingSpec, UnitOptions
 
@@ -215,7 +215,7 @@ class ShardUnit:
                 self._reduce_output, self.grad_flat, self.group, self.stats, async_op=True
             )
         else:
-            self._reduce_work = all_reduce_mean(self.grad_flat, self.group, self.stats, async_op=True)
+            self._reduce_work = all_reduce_sum(self.grad_flat, self.group, self.stats, async_op=True)
 
     def finish_reduce(self) -> None:
         """Wait for the reduction and leave the averaged gradient where the optimizer reads it."""
