@@ -141,9 +141,11 @@ class StepRunner:
         """Skipping a batch must be unanimous: a lone skip would leave the other ranks waiting in backward."""
         if not self.strategy.distributed:
             return skip
-        flags = self.strategy.all_gather_object(skip)
-        if all(flags) or not any(flags):
+        # One small all-reduce per batch; the ranks are named only in the (rare) case of disagreement.
+        skipping_ranks = int(self.strategy.all_reduce(torch.tensor(float(skip)), op="sum").item())
+        if skipping_ranks in (0, self.strategy.world_size):
             return skip
+        flags = self.strategy.all_gather_object(skip)
         skipping = [rank for rank, f in enumerate(flags) if f]
         raise RuntimeError(
             f"training_step returned None on rank(s) {skipping} but not on the others at epoch "
