@@ -145,14 +145,32 @@ class Strategy:
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, param_groups: list) -> None:
         engine_state.load_optimizer_state(self.engine, optimizer, state, param_groups)
 
+    def gather_optimizer_state_pieces(self, optimizer: torch.optim.Optimizer) -> Iterator[list[dict] | None]:
+        """Every rank's `optimizer_state_pieces`, sent to rank 0 one unit's parameters at a time. Collective.
+        Yields, unit by unit, the list by rank on rank 0 and None on the others."""
+        local = self.optimizer_state_pieces(optimizer)
+        for unit in self.engine.units:
+            part = {**local, "state": {n: local["state"][n] for n in unit.param_names if n in local["state"]}}
+            if not self.distributed:
+                yield [part]
+                continue
+            gathered: list | None = [None] * self.world_size if self.is_global_zero else None
+            dist.gather_object(part, gathered, dst=0)
+            yield gathered
+
     def parameter_aliases(self) -> dict[str, str]:
         return engine_state.parameter_aliases(self.engine.module)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unwrapped model's state dict, gathered unit by unit (every rank gets it)."""
+    def full_state_dict(self, rank_zero_only: bool = False) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state dict, gathered unit by unit. Collective. Every rank gets it; with
+        `rank_zero_only` the other ranks get {} and hold at most one unit at a time."""
+        keep = self.is_global_zero or not rank_zero_only
         out: dict[str, torch.Tensor] = {}
         for names, views in self.engine.iter_full_parameters():
-            out.update({n: v.detach().cpu().clone() for n, v in zip(names, views)})
+            if keep:
+                out.update({n: v.detach().cpu().clone() for n, v in zip(names, views)})
+        if not keep:
+            return {}
         for alias, first in self.parameter_aliases().items():
             out[alias] = out[first]
         params = {id(p) for p in self.engine.module.parameters()}

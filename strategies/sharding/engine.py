@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats
+from .collectives import CommStats, wait
 from .hooks import call_after_inputs_grad, call_before_outputs_grad
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .spec import ShardingSpec, UnitOptions
@@ -300,11 +300,12 @@ class ShardingEngine:
 
     def after_parameters_changed(self) -> None:
         """Bring every copy of the parameters up to date with the (just stepped or loaded) master shards."""
-        for unit in self.units:
-            if self.spec.shard_parameters:
+        if self.spec.shard_parameters:
+            for unit in self.units:
                 unit.reshard()
-            elif self.spec.shard_optimizer_state:
-                unit.gather_replicas_after_step()
+        elif self.spec.shard_optimizer_state:
+            for work in [unit.gather_replicas_after_step() for unit in self.units]:  # all in flight at once
+                wait(work)
 
     # ---- parameters in full -------------------------------------------------------------------------
     def iter_full_parameters(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:

@@ -168,14 +168,15 @@ class ShardUnit:
                 offset, n = self.layout.offsets[index], self.layout.numels[index]
                 self.full_flat[offset : offset + n].copy_(value.reshape(-1))
 
-    def gather_replicas_after_step(self) -> None:
-        """zero1/zero2: every rank updated its slice of the replicated parameters; share them."""
+    def gather_replicas_after_step(self) -> Work:
+        """zero1/zero2: every rank updated its slice of the replicated parameters; start sharing them."""
         lo, hi = self.layout.shard_range(self.rank)
-        all_gather(self.full_flat, self.full_flat[lo:hi].clone(), self.group, self.stats, async_op=False)
+        return all_gather(self.full_flat, self.full_flat[lo:hi].clone(), self.group, self.stats, async_op=True)
 
     # ---- gradients ----------------------------------------------------------------------------------
     def reset_backward_state(self) -> None:
         self.ready_count = 0
+        self.written = [False] * len(self.params)
         self.grads_ready = not self.has_trainable
         self.backward_started = False
         self.input_grad_done = False
@@ -186,9 +187,15 @@ class ShardUnit:
         p = self.params[index]
         if self.spec.shard_gradients:
             if self.grad_flat is None:
-                self.grad_flat = self._new_reduce_buffer()
+                self.grad_flat = torch.empty(self.layout.padded_total, dtype=self.reduce_dtype, device=self.device)
             offset, n = self.layout.offsets[index], self.layout.numels[index]
-            self.grad_flat[offset : offset + n].view_as(p).add_(p.grad)
+            target = self.grad_flat[offset : offset + n].view_as(p)
+            # The buffer is not zero-filled: a gradient's first arrival is copied, the rest is zeroed at launch.
+            if self.written[index]:
+                target.add_(p.grad)
+            else:
+                target.copy_(p.grad)
+            self.written[index] = True
             p.grad = None
         else:
             view = self.grad_flat[
@@ -200,16 +207,22 @@ class ShardUnit:
         self.ready_count += 1
         return self.ready_count == sum(self.trainable)
 
-    def _new_reduce_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.layout.padded_total, dtype=self.reduce_dtype, device=self.device)
+    def _zero_unwritten_gradients(self) -> None:
+        """Zero the parts of the reduce buffer no gradient arrived for (unused or frozen parameters, padding)."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.layout.padded_total, dtype=self.reduce_dtype, device=self.device)
+            return
+        for offset, n, written in zip(self.layout.offsets, self.layout.numels, self.written):
+            if not written:
+                self.grad_flat[offset : offset + n].zero_()
+        self.grad_flat[self.layout.total :].zero_()
 
     def launch_reduce(self, sync: bool) -> None:
         """Start averaging this unit's gradients across ranks (or skip it under no_sync)."""
         if not self.has_trainable or not sync:
             return
         if self.spec.shard_gradients:
-            if self.grad_flat is None:  # no parameter of this unit was used on this rank
-                self.grad_flat = self._new_reduce_buffer()
+            self._zero_unwritten_gradients()
             self._reduce_output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
             self._reduce_work = reduce_scatter_sum(
                 self._reduce_output, self.grad_flat, self.group, self.stats, async_op=True
