@@ -23,6 +23,7 @@ from .unit import ParamState, ShardUnit
 from .units import assign_to_units, gradient_buckets, policy_modules
 
 WrapPolicy = Callable[[nn.Module, str], bool]
+REDUCTIONS_IN_FLIGHT = 2  # sharded-gradient reductions allowed to overlap backward before the oldest is awaited
 
 
 class ShardingEngine:
@@ -218,6 +219,10 @@ class ShardingEngine:
         ):
             self._reduce_order[self._next_reduce].launch_reduce(sync)
             self._next_reduce += 1
+            if self.spec.shard_gradients and self._next_reduce > REDUCTIONS_IN_FLIGHT:
+                # Finish an older reduction now so that its full-size gradient buffer is freed during backward,
+                # keeping gradient memory at the shard plus a couple of units, as the ZeRO table expects.
+                self._reduce_order[self._next_reduce - 1 - REDUCTIONS_IN_FLIGHT].finish_reduce()
 
     def finish_backward(self) -> None:
         for unit in self.units:

@@ -16,19 +16,22 @@ import torch.distributed as dist
 from torch import nn
 
 
-def replace_meta_parameters(root: nn.Module, device: torch.device) -> dict[int, torch.Size]:
+def replace_meta_parameters(root: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
     """Swap every meta parameter for an uninitialised one on `device` (the same object in every module holding
     it, so tied weights stay tied); returns their ids. torch cannot re-point a meta tensor at real storage, and
     untouched pages of torch.empty cost no resident memory until the engine moves them into its buffers.
-    Returns {id: shape} of the new parameters (the engine may point them at empty tensors while sharded)."""
+    Returns {id: the meta parameter it replaced}: its shape and dtype are the master's, whatever the engine points
+    the new parameter at while sharded (a placeholder of the compute dtype under mixed precision)."""
     replaced: dict[int, nn.Parameter] = {}
+    metas: dict[int, torch.Tensor] = {}
     for module in root.modules():
         for key, p in module._parameters.items():
             if p is not None and p.is_meta:
                 if id(p) not in replaced:
                     replaced[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                    metas[id(replaced[id(p)])] = p
                 module._parameters[key] = replaced[id(p)]
-    return {id(p): p.shape for p in replaced.values()}
+    return metas
 
 
 def has_meta_buffers(root: nn.Module) -> bool:
@@ -42,7 +45,7 @@ def _broadcast(tensor: torch.Tensor, group: object) -> None:
 
 def materialize(
     root: nn.Module,
-    meta_shapes: dict[int, torch.Size],
+    meta_params: dict[int, torch.Tensor],
     device: torch.device,
     write_back: Callable[[nn.Parameter, torch.Tensor], None],
     group: object = None,
@@ -50,7 +53,7 @@ def materialize(
     """Initialise every meta parameter and buffer of `root`; `write_back(param, full_value)` stores a parameter."""
     done: set[int] = set()
     for name, module in root.named_modules():
-        own = [p for p in module._parameters.values() if p is not None and id(p) in meta_shapes]
+        own = [p for p in module._parameters.values() if p is not None and id(p) in meta_params]
         buffers = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
         if not own and not buffers:
             continue
@@ -64,7 +67,7 @@ def materialize(
         resting = [p.data for p in own]
         with torch.no_grad():
             for p in own:
-                p.data = torch.empty(meta_shapes[id(p)], dtype=p.dtype, device=device)
+                p.data = torch.empty_like(meta_params[id(p)], device=device)  # the master dtype, not p's
             module.reset_parameters()
             for p, rest in zip(own, resting):
                 if id(p) not in done:  # a tied parameter keeps its first holder's initialisation

@@ -1,0 +1,407 @@
+"""Step time and peak memory of this project's strategies next to torch's own, on the same GPT, in one run.
+
+    python benchmarks/compare.py                                  # 30m and 100m presets, every variant
+    python benchmarks/compare.py --preset 30m --rounds 3
+    python benchmarks/compare.py --variants torch-ddp,ddp,floor --memory fresh
+
+For each preset two ranks (gloo, one thread each: OMP_NUM_THREADS=1 and torch.set_num_threads(1)) are started
+once and train every variant in turn, round after round (each round starts one variant later), so machine drift
+touches all alike:
+
+  torch-ddp    torch.nn.parallel.DistributedDataParallel (defaults)
+  torch-zero   torch.distributed.optim.ZeroRedundancyOptimizer(AdamW) over DDP (defaults)
+  torch-fsdp   torch.distributed.fsdp.fully_shard on every Block, then on the root
+  ddp, zero1, zero2, fsdp   this project's strategies, driven through the Strategy API in the Trainer's order
+               (call, backward, optimizer_step, zero_grad); fsdp is FSDPStrategy(auto_wrap_policy={Block})
+  floor        the compute floor: each rank trains a plain model with plain AdamW on the same per-rank batch,
+               with no communication (both ranks at once, so they share the machine as the others do)
+  floor-solo   (not run by default) rank 0 alone does the floor's work while rank 1 waits
+
+Every round rebuilds each variant from the same seed and runs --warmup untimed and --steps timed AdamW steps on
+the same per-rank batches of stdlib source text. A step is timed on rank 0 between two barriers; the table shows
+the median over all timed steps of all rounds. The final loss (mean over ranks, last step) of every variant
+that averages gradients must agree with torch-ddp's to about 1e-4.
+
+Peak resident memory per rank (--memory): "inline" (default) measures in the first round of the timing job:
+after a variant is set up, the rank frees what earlier variants left (gc, malloc_trim), resets the kernel's
+peak counter (/proc/self/clear_refs "5") and reads VmHWM after the variant's steps. "fresh" measures each
+variant again in its own new 2-rank job (set up, reset the peak counter, 1 warm-up and 1 step). Either way
+the peak counts the whole process (torch, gloo, the batches: the "process" line) and excludes set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from examples.gpt import GPT, GPT_PRESETS, Block, GPTConfig, TextWindows, load_corpus  # noqa: E402
+
+MiB = 2**20
+VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "fsdp", "floor")
+EXTRA_VARIANTS = ("floor-solo",)
+COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero", "zero2": "torch-ddp", "fsdp": "torch-fsdp"}
+AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "fsdp")  # same numbers as torch-ddp
+
+
+def theory_bytes(variant: str, params: int, world: int) -> float:
+    """Per-rank model-state bytes (fp32 Adam) of DESIGN.md's table; torch's variants as their counterparts."""
+    p, n = params, world
+    kind = {"torch-ddp": "ddp", "torch-zero": "zero1", "torch-fsdp": "fsdp"}.get(variant, variant)
+    return {"ddp": 16 * p, "zero1": 8 * p + 8 * p / n, "zero2": 4 * p + 12 * p / n, "fsdp": 16 * p / n,
+            "floor": 16 * p, "floor-solo": 16 * p}[kind]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+
+def rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
+
+
+def release_and_reset_peak() -> None:
+    """Hand freed heap memory back to the kernel, then restart the peak-RSS counter (VmHWM) from now."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# ---------------------------------------------------------------------------------------------- variants
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def build(name: str, config: GPTConfig, lr: float, mesh):
+    """A fresh model of the variant (same seed everywhere): step(x, y) -> loss, the engine if any, and close()."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = GPT(config)
+    if name in ("floor", "floor-solo"):
+        if name == "floor-solo" and rank != 0:
+            return (lambda x, y: None), None, None
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        return _plain_step(model, model, opt), None, None
+    if name in ("torch-ddp", "torch-zero"):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        if name == "torch-ddp":
+            opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
+        else:
+            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+        return _plain_step(ddp, model, opt), None, None
+    if name == "torch-fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return _plain_step(model, model, torch.optim.AdamW(model.parameters(), lr=lr)), None, None
+
+    from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
+
+    strategy = {"ddp": DDPStrategy, "zero1": lambda: ZeroStrategy(stage=1), "zero2": lambda: ZeroStrategy(stage=2),
+                "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block})}[name]()
+    strategy.connect(torch.device("cpu"), world, rank)
+    model = strategy.setup_module(model)
+    opt = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # trainer/steps.py's order, precision "32"
+        loss = strategy.call(lambda: loss_fn(model(x), y))
+        strategy.backward(loss)
+        strategy.optimizer_step(opt)
+        strategy.zero_grad(opt)
+        return loss.detach()
+
+    def close() -> None:
+        # The engine's post-accumulate-grad hooks close over the engine and are held from C++, a cycle the
+        # garbage collector cannot see: without this every variant's model and buffers would stay alive.
+        for p in model.parameters():
+            getattr(p, "_post_accumulate_grad_hooks", None) and p._post_accumulate_grad_hooks.clear()
+        strategy.teardown()
+
+    return step, strategy.engine, close
+
+
+def _plain_step(wrapped, model, opt):
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(wrapped(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def run_variant(name: str, config: GPTConfig, batches: list, args, mesh, measure_memory: bool) -> dict:
+    gc.collect()
+    torch.manual_seed(args.seed)
+    step, engine, close = build(name, config, args.lr, mesh)
+    if measure_memory:
+        release_and_reset_peak()
+    setup_rss = rss_bytes("VmRSS:")
+    times, loss = [], None
+    for i, (x, y) in enumerate(batches):
+        if i == args.warmup and engine is not None and hasattr(engine, "stats"):
+            engine.stats.reset()
+        dist.barrier()
+        start = time.perf_counter()
+        loss = step(x, y)
+        dist.barrier()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    out = {"times": times, "loss": None if loss is None else loss.item()}
+    if measure_memory:
+        out.update(peak_rss=rss_bytes("VmHWM:"), setup_rss=setup_rss)
+    if engine is not None and hasattr(engine, "stats") and args.steps:
+        stats = engine.stats
+        out["comm"] = {k: [stats.calls[k] / args.steps, stats.elements[k] / args.steps] for k in stats.calls}
+    if close is not None:
+        close()
+    del step, engine, close
+    gc.collect()
+    return out
+
+
+def batches_for_rank(config: GPTConfig, args, rank: int, world: int) -> list:
+    """Step s of rank r reads windows (s * world + r) * B ... + B of the stdlib text: a global batch per step."""
+    train, _ = load_corpus(max_bytes=400_000)
+    windows = TextWindows(train, config.block_size)
+    batches = []
+    for s in range(args.warmup + args.steps):
+        first = ((s * world + rank) * args.batch_size) % (len(windows) - args.batch_size)
+        pairs = [windows[first + i] for i in range(args.batch_size)]
+        batches.append((torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])))
+    return batches
+
+
+def worker(args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    variants = args.variants.split(",")
+    mesh = None
+    if "torch-fsdp" in variants:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+    config = model_config(args)
+    batches = batches_for_rank(config, args, rank, world)
+    process_rss = rss_bytes("VmRSS:")
+    results = {v: {"times": []} for v in variants}
+    for r in range(args.rounds):
+        for name in variants[r % len(variants):] + variants[: r % len(variants)]:
+            out = run_variant(name, config, batches, args, mesh, measure_memory=r == 0)
+            results[name]["times"] += out.pop("times")
+            if r == 0:
+                results[name].update(out)
+            if rank == 0 and not args.quiet:
+                median = sorted(results[name]["times"])[len(results[name]["times"]) // 2] if args.steps else 0
+                print(f"  [{args.preset} round {r + 1}/{args.rounds}] {name:10} median so far {median:.3f} s",
+                      flush=True)
+    per_rank = {v: {k: results[v].get(k) for k in ("peak_rss", "setup_rss", "loss")} for v in variants}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"process_rss": process_rss, "variants": per_rank})
+    if rank == 0:
+        summary = {"params": GPT.count_parameters(config), "world": world,
+                   "process_rss": [g["process_rss"] for g in gathered], "variants": {}}
+        for v in variants:
+            losses = [g["variants"][v]["loss"] for g in gathered if g["variants"][v]["loss"] is not None]
+            summary["variants"][v] = {
+                "times": results[v]["times"],
+                "loss": sum(losses) / len(losses) if losses else None,
+                "peak_rss": [g["variants"][v]["peak_rss"] for g in gathered],
+                "setup_rss": [g["variants"][v]["setup_rss"] for g in gathered],
+                "comm": results[v].get("comm"),
+            }
+        with open(args.out, "w") as f:
+            json.dump(summary, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def model_config(args) -> GPTConfig:
+    return replace(GPT_PRESETS[args.preset], block_size=args.block_size)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, preset: str, variants: list[str], rounds: int, warmup: int, steps: int, quiet: bool) -> dict:
+    """One 2-rank job (this script with --worker) that runs `variants`; returns rank 0's summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        command = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--preset", preset,
+                   "--variants", ",".join(variants), "--rounds", str(rounds), "--warmup", str(warmup),
+                   "--steps", str(steps), "--batch-size", str(args.batch_size), "--block-size",
+                   str(args.block_size), "--lr", str(args.lr), "--seed", str(args.seed)] + (["--quiet"] * quiet)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+               "WORLD_SIZE": str(args.ranks)}
+        procs, logs = [], []
+        for rank in range(args.ranks):
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+            stdout = None if rank == 0 else log
+            procs.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          stdout=stdout, stderr=log))
+            logs.append(log)
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):  # one rank failed: the others would wait forever
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.2)
+        if any(p.returncode != 0 for p in procs) or not os.path.exists(out):
+            for rank, log in enumerate(logs):
+                log.seek(0)
+                print(f"--- rank {rank} (exit {procs[rank].returncode}):\n{log.read()[-4000:]}", file=sys.stderr)
+            raise SystemExit(f"{preset}: the job for {variants} failed")
+        with open(out) as f:
+            return json.load(f)
+
+
+def median(values: list[float]) -> float:
+    s = sorted(values)
+    return (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2 if s else float("nan")
+
+
+def report(preset: str, summary: dict, args) -> str:
+    p, world, rows = summary["params"], summary["world"], summary["variants"]
+    med = {v: median(r["times"]) for v, r in rows.items()}
+    floor = med.get("floor", med.get("floor-solo"))
+    reference = rows.get("torch-ddp", rows.get("ddp", {})).get("loss")
+    lines = [f"### {preset}: {p / 1e6:.1f}M parameters, batch {args.batch_size} x {args.block_size} tokens per rank, "
+             f"{world} ranks, {len(next(iter(rows.values()))['times'])} timed steps per variant",
+             "",
+             "| variant | median step (s) | fastest (s) | vs torch | vs floor | peak RSS per rank (MiB) "
+             "| model-state theory (MiB) | final loss |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for v, r in rows.items():
+        other = COUNTERPART.get(v)
+        vs_torch = f"{med[v] / med[other]:.2f} x {other}" if other in med else ""
+        vs_floor = f"{med[v] / floor:.2f}" if floor and v not in ("floor",) else ""
+        peak = " / ".join(f"{b / MiB:.0f}" for b in r["peak_rss"] if b is not None)
+        loss = "" if r["loss"] is None else f"{r['loss']:.6f}"
+        if r["loss"] is not None and reference is not None and v in AVERAGING and v != "torch-ddp":
+            diff = abs(r["loss"] - reference)
+            loss += f" ({'=' if diff < 1e-4 else 'DIFFERS by '}{'' if diff < 1e-4 else f'{diff:.1e}'})"
+        lines.append(f"| {v} | {med[v]:.3f} | {min(r['times']):.3f} | {vs_torch} | {vs_floor} | {peak} | "
+                     f"{theory_bytes(v, p, world) / MiB:.0f} | {loss} |")
+    lines.append("")
+    lines.append(f"process without a model (torch, gloo, batches): "
+                 f"{' / '.join(f'{b / MiB:.0f}' for b in summary['process_rss'])} MiB per rank; peak RSS measured "
+                 f"{'in a fresh job per variant' if args.memory == 'fresh' else 'in round 1 of the timing job'}, "
+                 f"after set-up. (=) final loss within 1e-4 of torch-ddp's.")
+    comm = {v: r["comm"] for v, r in rows.items() if r.get("comm")}
+    if comm:
+        lines.append("engine collectives per step, rank 0 (calls, MiB of fp32 elements sent): " + "; ".join(
+            f"{v}: " + ", ".join(f"{k} {c:.0f}x {e * 4 / MiB:.0f}" for k, (c, e) in sorted(kinds.items()))
+            for v, kinds in comm.items()))
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{platform.platform()}, {cpu}, {os.cpu_count()} CPUs, {rss_total_gib():.0f} GiB RAM; Python "
+            f"{platform.python_version()}, torch {torch.__version__}; load average at start {load}")
+
+
+def rss_total_gib() -> float:
+    with open("/proc/meminfo") as f:
+        return int(f.readline().split()[1]) / 2**20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="both", choices=["both", "30m", "100m"])
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS + EXTRA_VARIANTS)}")
+    parser.add_argument("--rounds", type=int, default=2, help="passes over all variants (alternating)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant and round")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--memory", default="inline", choices=["inline", "fresh"],
+                        help="measure peak RSS in the timing job (inline) or in a new job per variant (fresh)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS + EXTRA_VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS + EXTRA_VARIANTS)}")
+    for name in ("rounds", "steps", "batch_size", "block_size", "ranks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    variants = args.variants.split(",")
+    presets = ["30m", "100m"] if args.preset == "both" else [args.preset]
+    print(f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
+    print(f"machine: {machine()}")
+    print(f"command: python benchmarks/compare.py {shlex.join(sys.argv[1:])}".rstrip())
+    print(f"each variant: {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) AdamW steps, fp32, "
+          f"{args.ranks} ranks on gloo, 1 thread per rank\n", flush=True)
+    started, raw = time.perf_counter(), {}
+    for preset in presets:
+        summary = launch(args, preset, variants, args.rounds, args.warmup, args.steps, quiet=False)
+        if args.memory == "fresh":
+            for v in variants:
+                fresh = launch(args, preset, [v], 1, 1, 1, quiet=True)["variants"][v]
+                summary["variants"][v]["peak_rss"] = fresh["peak_rss"]
+        raw[preset] = summary
+        print("\n" + report(preset, summary, args) + "\n", flush=True)
+    print(f"total wall time {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "machine": machine(), "results": raw}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
