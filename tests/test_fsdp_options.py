@@ -17,6 +17,7 @@ from torch import nn
 
 import strategies.sharding.engine as engine_module
 import strategies.sharding.unit as unit_module
+from callbacks import Callback
 from strategies import FSDPStrategy, MixedPrecision
 from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions
 from tests.test_parity import (
@@ -472,3 +473,45 @@ def test_engine_refuses_unit_options_without_sharded_parameters():
     for option in options:  # the same options are accepted where parameters are sharded
         engine = ShardingEngine(new_model(), FULL_SHARD, unit_options=option)
         assert engine.unit_options == option
+
+
+# --------------------------------------------------------------- mixed precision keeps norm layers in fp32
+
+
+class RecordNormDtypes(Callback):
+    """At fit start, hooks every LayerNorm (after the engine's own hooks) to record what it computes with."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str, str]] = set()
+        self.block_outputs: set[str] = set()
+
+    def on_fit_start(self, trainer, module) -> None:
+        def record(norm, args, output):
+            self.seen.add((str(args[0].dtype), str(norm.weight.dtype), str(output.dtype)))
+
+        for m in module.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.register_forward_hook(record)
+        module.blocks[0].register_forward_hook(lambda m, a, out: self.block_outputs.add(str(out.dtype)))
+
+
+def body_mixed_precision_norms() -> tuple[list, list, dict, dict]:
+    world = dist.get_world_size()
+    recorder = RecordNormDtypes()
+    policy = MixedPrecision(param_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    bf16 = fit(MetaNet(), FSDPStrategy(auto_wrap_policy={MetaBlock}, mixed_precision=policy), world,
+               PER_RANK_BATCH, callbacks=[recorder])
+    torch.manual_seed(0)
+    fp32 = fit(MetaNet(), FSDPStrategy(auto_wrap_policy={MetaBlock}), world, PER_RANK_BATCH)
+    return (sorted(recorder.seen), sorted(recorder.block_outputs), bf16.strategy.full_state_dict(),
+            fp32.strategy.full_state_dict())
+
+
+def test_mixed_precision_runs_norm_layers_in_fp32(rank_pool):
+    for seen, block_outputs, bf16, fp32 in rank_pool(2).run(body_mixed_precision_norms):
+        # Norms compute with fp32 inputs and weights; their outputs (seen after the engine's hook) are cast back
+        # to the bf16 their inputs had, for the next layer.
+        assert seen == [("torch.float32", "torch.float32", "torch.bfloat16")]
+        assert block_outputs == ["torch.bfloat16"]
+        assert 0 < max_relative_difference(bf16, fp32) <= 3e-2

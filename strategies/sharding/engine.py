@@ -16,13 +16,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import CommStats, wait
-from .hooks import call_after_inputs_grad, call_before_outputs_grad
+from .hooks import call_after_inputs_grad, call_before_outputs_grad, cast_floating
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .spec import ShardingSpec, UnitOptions
 from .unit import ParamState, ShardUnit
 from .units import assign_to_units, gradient_buckets, policy_modules
 
 WrapPolicy = Callable[[nn.Module, str], bool]
+NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 REDUCTIONS_IN_FLIGHT = 2  # sharded-gradient reductions allowed to overlap backward before the oldest is awaited
 
 
@@ -44,6 +45,7 @@ class ShardingEngine:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.reshard_after_forward = reshard_after_forward
         self.unit_options = unit_options or UnitOptions()
+        self._full_precision_units: set[str] = set()
         if self.unit_options != UnitOptions() and not spec.shard_parameters:
             raise ValueError("mixed precision and CPU offloading of the engine need sharded parameters (fsdp)")
         self.stats = CommStats()
@@ -76,6 +78,8 @@ class ShardingEngine:
     def _build_units(self, wrap_policy: WrapPolicy | None) -> list[ShardUnit]:
         if self.spec.shard_parameters:
             wrapped = policy_modules(self.module, wrap_policy)
+            if self.unit_options.param_dtype is not None:
+                wrapped = self._with_norm_units(wrapped)
             assigned = assign_to_units(self.module, [n for n, _ in wrapped])
             modules = dict(wrapped)
             # Gradients become ready in reverse forward order: last-registered units first, the root last.
@@ -91,6 +95,16 @@ class ShardingEngine:
                 units.append(self._new_unit(name, params, module))
         return units
 
+    def _with_norm_units(self, wrapped: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+        """Under mixed precision, normalization layers become units of their own kept in full precision
+        (their inputs are cast up and their outputs back down), as layer statistics are fragile in bf16/fp16."""
+        chosen = {name for name, _ in wrapped}
+        self._full_precision_units = {
+            name for name, m in self.module.named_modules() if name and isinstance(m, NORM_LAYERS)
+        } - chosen
+        keep = chosen | self._full_precision_units
+        return [(name, m) for name, m in self.module.named_modules() if name in keep]
+
     def _broadcast_params(self, params: list[tuple[str, nn.Parameter]]) -> None:
         params = [(n, p) for n, p in params if id(p) not in self._meta_ids]  # broadcast as they materialize
         if self.world_size > 1 and params:
@@ -105,6 +119,9 @@ class ShardingEngine:
                     offset += p.numel()
 
     def _new_unit(self, name: str, params: list, module: nn.Module | None) -> ShardUnit:
+        options = self.unit_options
+        if name in self._full_precision_units:
+            options = UnitOptions(offload_to_cpu=options.offload_to_cpu)
         dtypes = {p.dtype for _, p in params}
         if len(dtypes) > 1:
             raise ValueError(
@@ -113,7 +130,7 @@ class ShardingEngine:
             )
         return ShardUnit(
             name, params, self.spec, self.rank, self.world_size, self.group, self.stats, module, self.device,
-            self.unit_options,
+            options,
         )
 
     def _register_grad_hooks(self) -> None:
@@ -152,6 +169,9 @@ class ShardingEngine:
 
     def _pre_forward(self, unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         unit.unshard()
+        if unit.name in self._full_precision_units:
+            unit.input_dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
+            args, kwargs = cast_floating(args, unit.compute_dtype), cast_floating(kwargs, unit.compute_dtype)
         if self.in_backward:  # recomputation under activation checkpointing
             return args, kwargs
         self._forward_order.append(unit)
@@ -164,13 +184,16 @@ class ShardingEngine:
         )
         return args, kwargs
 
-    def _post_forward(self, unit: ShardUnit, output: Any) -> None:
+    def _post_forward(self, unit: ShardUnit, output: Any) -> Any:
+        if unit.name in self._full_precision_units and unit.input_dtype is not None:
+            output = cast_floating(output, unit.input_dtype)
         if self.in_backward:
-            return
+            return output
         if self.reshard_after_forward:
             unit.reshard()
         if torch.is_grad_enabled():
             call_before_outputs_grad(output, lambda: self._pre_backward(unit))
+        return output
 
     def _prefetch(self, units: list[ShardUnit]) -> None:
         for unit in units:

@@ -57,3 +57,14 @@ def call_before_outputs_grad(output: Any, callback: Callable[[], None]) -> None:
     for t in _flatten(output):
         if t.requires_grad:
             t.register_hook(lambda grad: (callback(), None)[1])
+
+
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    """`obj` with every floating-point tensor in it (through tuples, lists and dicts) cast to `dtype`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(cast_floating(item, dtype) for item in obj)
+    if isinstance(obj, dict):
+        return {key: cast_floating(value, dtype) for key, value in obj.items()}
+    return obj

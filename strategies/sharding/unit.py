@@ -58,6 +58,7 @@ class ShardUnit:
         self._gather_work: Work = None
         self._reduce_work: Work = None
         self._reduce_output: torch.Tensor | None = None
+        self.input_dtype: torch.dtype | None = None  # of the last forward's input (full-precision norm units)
         self.reset_backward_state()
         if spec.shard_parameters:
             self.reshard()
