@@ -165,17 +165,18 @@ def run_variant(name: str, config: GPTConfig, batches: list, args, mesh, measure
     if measure_memory:
         release_and_reset_peak()
     setup_rss = rss_bytes("VmRSS:")
-    times, loss = [], None
+    times, cpu, loss = [], [], None
     for i, (x, y) in enumerate(batches):
         if i == args.warmup and engine is not None and hasattr(engine, "stats"):
             engine.stats.reset()
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = step(x, y)
         dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    out = {"times": times, "loss": None if loss is None else loss.item()}
+            cpu.append(time.process_time() - start_cpu)
+    out = {"times": times, "cpu": cpu, "loss": None if loss is None else loss.item()}
     if measure_memory:
         out.update(peak_rss=rss_bytes("VmHWM:"), setup_rss=setup_rss)
     if engine is not None and hasattr(engine, "stats") and args.steps:
@@ -213,11 +214,12 @@ def worker(args) -> None:
     config = model_config(args)
     batches = batches_for_rank(config, args, rank, world)
     process_rss = rss_bytes("VmRSS:")
-    results = {v: {"times": []} for v in variants}
+    results = {v: {"times": [], "cpu": []} for v in variants}
     for r in range(args.rounds):
         for name in variants[r % len(variants):] + variants[: r % len(variants)]:
             out = run_variant(name, config, batches, args, mesh, measure_memory=r == 0)
             results[name]["times"] += out.pop("times")
+            results[name]["cpu"] += out.pop("cpu")
             if r == 0:
                 results[name].update(out)
             if rank == 0 and not args.quiet:
@@ -234,6 +236,7 @@ def worker(args) -> None:
             losses = [g["variants"][v]["loss"] for g in gathered if g["variants"][v]["loss"] is not None]
             summary["variants"][v] = {
                 "times": results[v]["times"],
+                "cpu": results[v]["cpu"],
                 "loss": sum(losses) / len(losses) if losses else None,
                 "peak_rss": [g["variants"][v]["peak_rss"] for g in gathered],
                 "setup_rss": [g["variants"][v]["setup_rss"] for g in gathered],
@@ -303,31 +306,38 @@ def report(preset: str, summary: dict, args) -> str:
     lines = [f"### {preset}: {p / 1e6:.1f}M parameters, batch {args.batch_size} x {args.block_size} tokens per rank, "
              f"{world} ranks, {len(next(iter(rows.values()))['times'])} timed steps per variant",
              "",
-             "| variant | median step (s) | fastest (s) | vs torch | vs floor | peak RSS per rank (MiB) "
-             "| model-state theory (MiB) | final loss |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| variant | median step (s) | fastest (s) | vs torch | vs floor | CPU s per step | "
+             "peak RSS per rank (MiB) | model-state theory (MiB) | final loss |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for v, r in rows.items():
         other = COUNTERPART.get(v)
         vs_torch = f"{med[v] / med[other]:.2f} x {other}" if other in med else ""
-        vs_floor = f"{med[v] / floor:.2f}" if floor and v not in ("floor",) else ""
+        vs_floor = f"{med[v] / floor:.2f}" if floor and v != "floor" else ""
         peak = " / ".join(f"{b / MiB:.0f}" for b in r["peak_rss"] if b is not None)
-        loss = "" if r["loss"] is None else f"{r['loss']:.6f}"
-        if r["loss"] is not None and reference is not None and v in AVERAGING and v != "torch-ddp":
-            diff = abs(r["loss"] - reference)
-            loss += f" ({'=' if diff < 1e-4 else 'DIFFERS by '}{'' if diff < 1e-4 else f'{diff:.1e}'})"
-        lines.append(f"| {v} | {med[v]:.3f} | {min(r['times']):.3f} | {vs_torch} | {vs_floor} | {peak} | "
-                     f"{theory_bytes(v, p, world) / MiB:.0f} | {loss} |")
+        cells = [v, f"{med[v]:.3f}", f"{min(r['times']):.3f}", vs_torch, vs_floor, f"{median(r['cpu']):.2f}", peak,
+                 f"{theory_bytes(v, p, world) / MiB:.0f}", _loss_cell(v, r["loss"], reference)]
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"process without a model (torch, gloo, batches): "
                  f"{' / '.join(f'{b / MiB:.0f}' for b in summary['process_rss'])} MiB per rank; peak RSS measured "
                  f"{'in a fresh job per variant' if args.memory == 'fresh' else 'in round 1 of the timing job'}, "
-                 f"after set-up. (=) final loss within 1e-4 of torch-ddp's.")
+                 f"after set-up. (=) final loss within 1e-4 of torch-ddp's. CPU s per step: rank 0's process CPU "
+                 f"time (compute thread and gloo's threads), median; wall time above CPU time is waiting.")
     comm = {v: r["comm"] for v, r in rows.items() if r.get("comm")}
     if comm:
         lines.append("engine collectives per step, rank 0 (calls, MiB of fp32 elements sent): " + "; ".join(
             f"{v}: " + ", ".join(f"{k} {c:.0f}x {e * 4 / MiB:.0f}" for k, (c, e) in sorted(kinds.items()))
             for v, kinds in comm.items()))
     return "\n".join(lines)
+
+
+def _loss_cell(variant: str, loss: float | None, reference: float | None) -> str:
+    if loss is None:
+        return ""
+    if reference is None or variant not in AVERAGING or variant == "torch-ddp":
+        return f"{loss:.6f}"
+    diff = abs(loss - reference)
+    return f"{loss:.6f} (=)" if diff < 1e-4 else f"{loss:.6f} (DIFFERS from torch-ddp by {diff:.1e})"
 
 
 def machine() -> str:

@@ -3,6 +3,7 @@ strategies and world sizes, `last`, corruption, the consolidate tool and checks 
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -105,8 +106,8 @@ def rank_zero(trainer: Trainer, value: object) -> object:
 
 def optimizer_state(path: str) -> dict[str, dict[str, torch.Tensor]]:
     """Optimizer 0's state in full, keyed by parameter name, read with no process group."""
-    _, ranks = ckpt_io.load_rank_files(path)
-    return ckpt_io.load_full_optimizer_state(ranks, 0)[0]
+    meta, ranks = ckpt_io.load_rank_files(path)
+    return ckpt_io.load_full_optimizer_state(ranks, 0, meta["state_dict_keys"])[0]
 
 
 def assert_states_close(a: dict, b: dict, atol: float) -> None:
@@ -266,7 +267,7 @@ def test_a_checkpoint_of_another_model_lists_every_difference_at_once(saved, tmp
     root, _ = saved
     path = os.path.join(root, "fsdp")
     seed_everything(0)
-    module = LM(hidden=8, extra=True, norm=False)
+    module = LM(optimizer="sgd", hidden=8, extra=True, norm=False)
     before = {k: v.clone() for k, v in module.state_dict().items()}
     trainer = make_trainer(str(tmp_path), "single", 1, max_steps=1)
     with pytest.raises(ValueError) as error:
@@ -275,6 +276,7 @@ def test_a_checkpoint_of_another_model_lists_every_difference_at_once(saved, tmp
     lines = str(error.value).splitlines()
     assert path in lines[0]
     assert sorted(line.strip() for line in lines[1:]) == [
+        "class of optimizer 0: checkpoint Adam, module SGD",
         "missing: net.gate.bias",
         "missing: net.gate.weight",
         "shape of net.block.0.bias: checkpoint [7], model [8]",
@@ -285,6 +287,102 @@ def test_a_checkpoint_of_another_model_lists_every_difference_at_once(saved, tmp
     ]
     assert trainer.global_step == 0
     assert_states_close(dict(module.state_dict()), before, atol=0)  # refused before anything was loaded
+
+
+class GroupedLM(LM):
+    """Adam with two parameter groups: `first` and the rest."""
+
+    def __init__(self, first: tuple[str, ...] = ("net.embed.weight",)) -> None:
+        super().__init__()
+        self.first = first
+
+    def configure_optimizers(self):
+        named = dict(self.named_parameters())
+        first = [p for n, p in named.items() if n in self.first]
+        rest = [p for n, p in named.items() if n not in self.first]
+        return torch.optim.Adam([{"params": first, "lr": 0.02}, {"params": rest}], lr=0.01)
+
+
+def test_different_parameter_groups_are_refused_before_anything_is_loaded(saved, tmp_path):
+    root, _ = saved
+    seed_everything(0)
+    first = make_trainer(str(tmp_path), "single", 1, max_steps=2)
+    first.fit(GroupedLM(), loader())
+    first.save_checkpoint(tmp_path / "grouped.pt", full=True)  # a full file is checked the same way
+    with pytest.raises(ValueError, match=r"save_checkpoint\(full=True\): .* is a directory"):
+        first.save_checkpoint(tmp_path, full=True)
+
+    def refusal(module: LM, path: str) -> list[str]:
+        trainer = make_trainer(str(tmp_path), "single", 1, max_steps=3)
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        with pytest.raises(ValueError) as error:
+            trainer.fit(module, loader(), ckpt_path=path)
+        assert trainer.global_step == 0
+        assert_states_close(dict(module.state_dict()), before, atol=0)
+        return [line.strip() for line in str(error.value).splitlines()[1:]]
+
+    one_group = os.path.join(root, "fsdp")
+    assert refusal(GroupedLM(), one_group) == ["parameter groups of optimizer 0: checkpoint 1, module 2"]
+    moved = GroupedLM(first=("net.embed.weight", "net.norm.weight"))
+    assert refusal(moved, str(tmp_path / "grouped.pt")) == ["missing in optimizer 0 group 0: net.norm.weight",
+                                                            "unexpected in optimizer 0 group 1: net.norm.weight"]
+    ckpt_io.consolidate(os.path.join(root, "fsdp"), str(tmp_path / "weights.pt"))
+    with pytest.raises(ValueError, match=r"weights\.pt' holds weights only"):
+        fit(str(tmp_path), "single", 1, max_steps=4, ckpt_path=str(tmp_path / "weights.pt"))
+
+
+def test_a_resume_reads_and_hashes_each_file_once(saved, tmp_path, monkeypatch):
+    root, _ = saved
+    hashed, loaded = collections.Counter(), collections.Counter()
+    real_sha256, real_load = ckpt_io.sha256, torch.load
+
+    def counting_sha256(path):
+        hashed[os.path.basename(path)] += 1
+        return real_sha256(path)
+
+    def counting_load(path, *args, **kwargs):
+        loaded[os.path.basename(path)] += 1
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_io, "sha256", counting_sha256)
+    monkeypatch.setattr(torch, "load", counting_load)
+    trainer, _ = fit(str(tmp_path), "single", 1, max_steps=4, ckpt_path=os.path.join(root, "zero2"))
+    assert trainer.global_step == 4
+    assert hashed == loaded == {"rank0.pt": 1, "rank1.pt": 1, "trainer.pt": 1}
+
+
+# -- a full checkpoint: one file, gathered unit by unit -------------------------------------------------------
+@keeps_determinism_setting
+def _full_body(root: str, strategy: str) -> dict | None:
+    args = dict(module_kwargs={"dropout": 0.2})
+    straight, _ = fit(os.path.join(root, "a"), strategy, 2, 10, **args)
+    first, _ = fit(os.path.join(root, "b"), strategy, 2, 6, save_to=os.path.join(root, "dir"), **args)
+    first.save_checkpoint(os.path.join(root, "full.pt"), full=True)
+    resumed, _ = fit(os.path.join(root, "c"), strategy, 2, 10, ckpt_path=os.path.join(root, "full.pt"), **args)
+    return rank_zero(resumed, {"final": straight.strategy.full_state_dict(), "step": resumed.global_step,
+                               "resumed": resumed.strategy.full_state_dict()})
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
+def test_a_full_checkpoint_is_one_file_that_resumes_exactly(rank_pool, tmp_path, strategy):
+    result = rank_pool(2).run(_full_body, str(tmp_path), strategy)[0]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("full")) == ["full.pt"]
+
+    full = torch.load(tmp_path / "full.pt")  # plain torch.load, weights_only by default
+    directory = ckpt_io.load_checkpoint(tmp_path / "dir")
+    assert set(full) == {"state_dict", "optimizers", "trainer", "rng", "meta"}
+    assert (full["meta"]["world_size"], full["meta"]["global_step"], len(full["rng"])) == (2, 6, 2)
+    assert_states_close(full["state_dict"], directory["state_dict"], atol=0)
+    assert full["state_dict"]["net.head.weight"].data_ptr() == full["state_dict"]["net.embed.weight"].data_ptr()
+    assert_states_close(ckpt_io.load_full_state_dict(tmp_path / "full.pt"), directory["state_dict"], atol=0)
+    (optimizer,) = full["optimizers"]
+    assert optimizer["class"] == "Adam" and optimizer["param_groups"] == directory["optimizers"][0]["param_groups"]
+    assert_states_close(optimizer["state"], directory["optimizers"][0]["state"], atol=0)
+    for key in ("state", "lr_schedulers", "module_extra"):
+        assert full["trainer"][key] == directory["trainer"][key]
+
+    assert result["step"] == 10
+    assert_states_close(result["resumed"], result["final"], atol=0)
 
 
 # -- exact resume: same strategy and world size ---------------------------------------------------------------

@@ -6,6 +6,13 @@ Layout of a checkpoint directory:
   trainer.pt     epoch, step, schedulers, callbacks, loss scale, the module's on_save_checkpoint additions
 Files are written into a temporary directory beside the target and renamed into place when every rank has
 finished, so a crash during a save never damages an existing checkpoint.
+
+A full checkpoint (`trainer.save_checkpoint(path, full=True)`) is one file that `torch.load` reads:
+  {"state_dict": the model's state dict (original names and shapes),
+   "optimizers": [{"class", "state": {parameter name: {key: full tensor or scalar}},
+                   "param_groups": [hyperparameters and "param_names"]}],
+   "trainer": what trainer.pt holds, "rng": [RNG states by rank], "meta": what meta.json holds, less "files"}
+`load_checkpoint` returns any checkpoint in this layout.
 """
 
 from __future__ import annotations
@@ -140,10 +147,12 @@ def load_rank_files(path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The plain model state dict (original names and shapes) from any checkpoint this project writes,
-    in one process with no process group."""
-    path = os.fspath(path)
-    meta, ranks = load_rank_files(path)
+    """The plain model state dict (original names and shapes) from any checkpoint this project writes (a
+    directory, a full file or a consolidated file), in one process with no process group."""
+    return load_checkpoint(path, weights_only=True)["state_dict"]
+
+
+def _full_state_dict(meta: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     state = _assemble([r["model"] for r in ranks])
     for alias, first in meta.get("aliases", {}).items():
         state[alias] = state[first]
@@ -151,12 +160,9 @@ def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {k: state[k] for k in order}
 
 
-def load_full_optimizer_state(
-    ranks: list[dict[str, Any]], index: int, order: list[str] | None = None
-) -> tuple[dict[str, Any], list[dict]]:
-    """Optimizer `index`'s state in full, keyed by parameter name, and its parameter groups (names in `order`,
-    the model's state-dict order, when given)."""
-    per_file = [r["optimizers"][index] for r in ranks]
+def full_optimizer_state(per_file: list[dict[str, Any]], order: list[str] | None = None) -> dict[str, Any]:
+    """One optimizer's {"class", "state", "param_groups"} in full from its pieces in several files: state keyed by
+    parameter name; state and each group's names in `order` (the model's state-dict order) when given."""
     state: dict[str, dict[str, Any]] = {}
     for file_state in per_file:
         for name, entries in file_state["state"].items():
@@ -169,16 +175,71 @@ def load_full_optimizer_state(
                 entries[key] = _assemble(
                     [{name: f["state"][name][key]} for f in per_file if name in f["state"]]
                 )[name]
+    rank = {name: position for position, name in enumerate(order or [])}
+    state = {name: state[name] for name in sorted(state, key=lambda n: rank.get(n, len(rank)))}
     groups = [dict(g) for g in per_file[0]["param_groups"]]
     for i, group in enumerate(groups):
         names = list(dict.fromkeys(n for f in per_file for n in f["param_groups"][i]["param_names"]))
-        rank = {name: position for position, name in enumerate(order or [])}
         group["param_names"] = sorted(names, key=lambda n: rank.get(n, len(rank)))  # a split one is in 2 files
-    return state, groups
+    return {"class": per_file[0].get("class"), "state": state, "param_groups": groups}
+
+
+def load_full_optimizer_state(
+    ranks: list[dict[str, Any]], index: int, order: list[str] | None = None
+) -> tuple[dict[str, Any], list[dict]]:
+    """Optimizer `index`'s state in full, keyed by parameter name, and its parameter groups."""
+    full = full_optimizer_state([r["optimizers"][index] for r in ranks], order)
+    return full["state"], full["param_groups"]
+
+
+def load_checkpoint(path: str | os.PathLike, weights_only: bool = False) -> dict[str, Any]:
+    """Any checkpoint (a directory or one file) in the full-file layout, each file read and verified once.
+    With `weights_only`, only "state_dict" and "meta" are filled in. A plain state dict file (from
+    `consolidate`) has only "state_dict"."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return _load_full_file(path)
+    meta, ranks = load_rank_files(path)
+    checkpoint = {"state_dict": _full_state_dict(meta, ranks), "meta": meta}
+    if not weights_only:
+        order = meta.get("state_dict_keys")
+        count = len(ranks[0]["optimizers"])
+        checkpoint["optimizers"] = [full_optimizer_state([r["optimizers"][i] for r in ranks], order)
+                                    for i in range(count)]
+        checkpoint["trainer"] = load_file(path, TRAINER_STATE, meta)
+        checkpoint["rng"] = [r["rng"] for r in ranks]
+    return checkpoint
+
+
+def _load_full_file(path: str) -> dict[str, Any]:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:
+        message = f"checkpoint file {path!r} cannot be read (truncated or not a checkpoint): {error}"
+        raise CheckpointError(message) from error
+    if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+        return {"meta": {}, **obj}
+    if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return {"state_dict": obj, "meta": {}}
+    raise CheckpointError(f"checkpoint file {path!r} holds neither a state dict nor a full checkpoint")
+
+
+def save_file(obj: Any, path: str | os.PathLike) -> None:
+    """torch.save `obj` to `path` atomically: written beside it, then renamed over it."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
     path = os.fspath(path)
+    if os.path.isfile(path):
+        return _load_full_file(path)["trainer"]
     return load_file(path, TRAINER_STATE, read_meta(path))
 
 
@@ -199,18 +260,11 @@ def find_last(*directories: str) -> str | None:
 
 def consolidate(path: str, out: str, with_optimizer: bool = False) -> None:
     """Write any checkpoint as one plain file that torch.load reads."""
-    result: dict[str, Any] = load_full_state_dict(path)
+    checkpoint = load_checkpoint(path, weights_only=not with_optimizer)
+    result: dict[str, Any] = checkpoint["state_dict"]
     if with_optimizer:
-        meta, ranks = load_rank_files(path)
-        order = meta.get("state_dict_keys")
-        optimizers = [load_full_optimizer_state(ranks, i, order) for i in range(len(ranks[0]["optimizers"]))]
-        result = {
-            "state_dict": result,
-            "optimizers": [{"state": s, "param_groups": g} for s, g in optimizers],
-        }
-    tmp = f"{out}.tmp-{uuid.uuid4().hex[:8]}"
-    torch.save(result, tmp)
-    os.replace(tmp, out)
+        result = {"state_dict": result, "optimizers": checkpoint.get("optimizers", [])}
+    save_file(result, out)
 
 
 def main(argv: list[str] | None = None) -> None:

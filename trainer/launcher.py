@@ -26,6 +26,7 @@ import torch.distributed as dist
 _PARENT_PID_VAR = "TRAINER_LAUNCHER_PARENT_PID"  # set only for the children that launch_local_ranks starts
 _POLL_S = 0.2
 _GRACE_S = 3.0
+_JOIN_TIMEOUT = datetime.timedelta(minutes=5)  # for every rank to start, whatever the collective timeout
 
 
 @dataclass
@@ -117,13 +118,18 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout: datetime.
             )
         return False
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{host}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timeout,
-    )
+    url = f"tcp://{host}:{env.master_port}"
+    join_timeout = max(timeout, _JOIN_TIMEOUT)
+    store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=join_timeout))
+    # torchrun keeps its store when it restarts the workers (--max-restarts): without a prefix per attempt the
+    # new group would read the dead group's addresses and fail to connect, as torch's own env:// init does.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"attempt{attempt}", store)
+    # Ranks start seconds apart (importing torch); wait for all of them first, so that a short `timeout`
+    # applies to collectives and not to the start.
+    store.set(f"joined{env.rank}", "1")
+    store.wait([f"joined{r}" for r in range(env.world_size)], join_timeout)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     return True
 
 
@@ -148,7 +154,9 @@ class _Supervisor:
 
         def excepthook(*exc_info) -> None:
             previous_hook(*exc_info)
-            _log("rank 0 raised; stopping all ranks")
+            # rank 0 often raises because a peer died under it: name that rank as the cause
+            causes = "".join(f" after rank {r} {_exit_reason(c)}" for r, c in self._failed_children(_POLL_S).items())
+            _log(f"rank 0 raised{causes}; stopping all ranks")
             self.stop()
 
         sys.excepthook = excepthook
@@ -170,10 +178,19 @@ class _Supervisor:
                     _signal_group(p, signal.SIGKILL)
                     p.wait()
 
+    def _failed_children(self, within: float) -> dict[int, int]:
+        """Exit codes of the children that failed, waiting up to `within` seconds for one to show up."""
+        deadline = time.monotonic() + within
+        while True:
+            failed = {rank: code for rank, p in self.children.items() if (code := p.poll())}
+            if failed or time.monotonic() >= deadline:
+                return failed
+            time.sleep(0.02)
+
     def _fail(self, rank: int, code: int) -> None:
         if self._stopped:
             return  # the codes of children we stopped ourselves are not news
-        _log(f"rank {rank} exited with code {code}; stopping all ranks")
+        _log(f"rank {rank} {_exit_reason(code)}; stopping all ranks")
         self.stop()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -210,6 +227,15 @@ def _watch_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="launcher-parent-watch", daemon=True).start()
+
+
+def _exit_reason(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:

@@ -31,7 +31,9 @@ def rng_state() -> dict:
     try:
         import numpy
 
-        state["numpy"] = numpy.random.get_state()
+        name, keys, position, has_gauss, cached_gaussian = numpy.random.get_state()
+        # plain ints rather than an ndarray: torch.load(weights_only=True) then reads a full checkpoint
+        state["numpy"] = (name, keys.tolist(), position, has_gauss, cached_gaussian)
     except ImportError:
         pass
     return state

@@ -51,8 +51,9 @@ def _scheduler_config(scheduler: Any) -> dict[str, Any]:
 
 def configure_optimizers(
     module: Any, strategy: Any
-) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
-    """Call the module's configure_optimizers (after the strategy set the model up) and normalise the result."""
+) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]], list[list[list[str]]]]:
+    """Call the module's configure_optimizers (after the strategy set the model up) and normalise the result:
+    optimizers, scheduler configs, and the parameter names of each optimizer's groups."""
     result = module.configure_optimizers()
     scheduler = None
     if isinstance(result, torch.optim.Optimizer):
@@ -70,9 +71,15 @@ def configure_optimizers(
             "configure_optimizers must return an optimizer, (optimizer, scheduler) or "
             f"{{'optimizer': ..., 'lr_scheduler': ...}}; got {type(result).__name__}"
         )
+    names = _param_group_names(module, optimizer)  # before the strategy swaps parameters for shards
     optimizer = strategy.setup_optimizer(optimizer)
     configs = [_scheduler_config(scheduler)] if scheduler is not None else []
-    return [optimizer], configs
+    return [optimizer], configs, [names]
+
+
+def _param_group_names(module: Any, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    return [[name_of[id(p)] for p in group["params"] if id(p) in name_of] for group in optimizer.param_groups]
 
 
 def checkpoint_state(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
@@ -83,48 +90,83 @@ def checkpoint_state(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any] |
         "optimizers": [strategy.optimizer_state_pieces(opt) for opt in trainer.optimizers],
         "rng": rng_state(),
     }
-    trainer_state = None
-    if trainer.is_global_zero:
-        extra: dict[str, Any] = {}
-        trainer.module.on_save_checkpoint(extra)
-        callbacks = {}
-        for cb in trainer.callbacks:
-            cb.on_save_checkpoint(trainer, trainer.module, extra)
-            callbacks[cb.state_key] = cb.state_dict()
-        trainer_state = {
-            "state": asdict(trainer.state),
-            "lr_schedulers": [cfg["scheduler"].state_dict() for cfg in trainer.lr_scheduler_configs],
-            "callbacks": callbacks,
-            "precision": trainer.precision.state_dict(),
-            "hparams": dict(trainer.module.hparams),
-            "module_extra": extra,
-        }
-    meta = {
-        "strategy": repr(strategy),
+    trainer_state = _trainer_state(trainer) if trainer.is_global_zero else None
+    return rank_state, trainer_state, _meta(trainer)
+
+
+def full_checkpoint(trainer: Trainer) -> dict[str, Any] | None:
+    """The checkpoint in the full-file layout (see trainer/checkpoint.py) on rank 0, None on the others.
+    Collective. Gathered one unit at a time: rank 0 holds what it will write plus one unit in flight."""
+    strategy = trainer.strategy
+    state_dict = strategy.full_state_dict(rank_zero_only=True)
+    order = list(state_dict)
+    optimizers = [_gathered_optimizer_state(strategy, opt, order) for opt in trainer.optimizers]
+    rngs = strategy.all_gather_object(rng_state())
+    if not trainer.is_global_zero:
+        return None
+    meta = {"format_version": ckpt_io.FORMAT_VERSION, "world_size": trainer.world_size, **_meta(trainer)}
+    return {"state_dict": state_dict, "optimizers": optimizers, "trainer": _trainer_state(trainer), "rng": rngs,
+            "meta": meta}
+
+
+def _gathered_optimizer_state(strategy: Any, optimizer: torch.optim.Optimizer, order: list[str]) -> dict | None:
+    full = None
+    for per_rank in strategy.gather_optimizer_state_pieces(optimizer):
+        if per_rank is None:
+            continue  # not rank 0
+        part = ckpt_io.full_optimizer_state(per_rank, order)
+        if full is None:
+            full = part
+        else:
+            full["state"].update(part["state"])
+    if full is not None:
+        full["state"] = {name: full["state"][name] for name in order if name in full["state"]}
+    return full
+
+
+def _trainer_state(trainer: Trainer) -> dict[str, Any]:
+    """Rank 0's part of a checkpoint; calls the on_save_checkpoint hooks."""
+    extra: dict[str, Any] = {}
+    trainer.module.on_save_checkpoint(extra)
+    callbacks = {}
+    for cb in trainer.callbacks:
+        cb.on_save_checkpoint(trainer, trainer.module, extra)
+        callbacks[cb.state_key] = cb.state_dict()
+    return {
+        "state": asdict(trainer.state),
+        "lr_schedulers": [cfg["scheduler"].state_dict() for cfg in trainer.lr_scheduler_configs],
+        "callbacks": callbacks,
+        "precision": trainer.precision.state_dict(),
+        "hparams": dict(trainer.module.hparams),
+        "module_extra": extra,
+    }
+
+
+def _meta(trainer: Trainer) -> dict[str, Any]:
+    return {
+        "strategy": repr(trainer.strategy),
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
-        "aliases": strategy.parameter_aliases(),
+        "aliases": trainer.strategy.parameter_aliases(),
         "state_dict_keys": list(trainer.module.state_dict(keep_vars=True)),
     }
-    return rank_state, trainer_state, meta
 
 
 def restore_checkpoint(trainer: Trainer, path: str, weights_only: bool) -> None:
-    meta, ranks = ckpt_io.load_rank_files(path)
-    model_state = ckpt_io.load_full_state_dict(path)
-    check_compatible(trainer, model_state, path)
-    trainer.strategy.load_model_state(model_state)
+    """Load a checkpoint directory or full file into `trainer`, after checking that all of it fits."""
+    checkpoint = ckpt_io.load_checkpoint(path, weights_only)
+    if not weights_only and "trainer" not in checkpoint:
+        raise ValueError(
+            f"ckpt_path={path!r} holds weights only; fit resumes from a checkpoint directory or from a file "
+            "written by trainer.save_checkpoint(path, full=True)"
+        )
+    check_compatible(trainer, checkpoint, path, weights_only)
+    trainer.strategy.load_model_state(checkpoint["state_dict"])
     if weights_only:
         return
-    saved = ckpt_io.load_trainer_state(path)
-    for index, optimizer in enumerate(trainer.optimizers):
-        state, groups = ckpt_io.load_full_optimizer_state(ranks, index)
-        if len(groups) != len(optimizer.param_groups):
-            raise ValueError(
-                f"checkpoint {path!r}: optimizer has {len(groups)} parameter groups, "
-                f"the module's optimizer has {len(optimizer.param_groups)}"
-            )
-        trainer.strategy.load_optimizer_state(optimizer, state, groups)
+    for optimizer, saved in zip(trainer.optimizers, checkpoint["optimizers"]):
+        trainer.strategy.load_optimizer_state(optimizer, saved["state"], saved["param_groups"])
+    saved = checkpoint["trainer"]
     for cfg, sched_state in zip(trainer.lr_scheduler_configs, saved["lr_schedulers"]):
         cfg["scheduler"].load_state_dict(sched_state)
     for key, value in saved["state"].items():
@@ -135,24 +177,48 @@ def restore_checkpoint(trainer: Trainer, path: str, weights_only: bool) -> None:
             cb.load_state_dict(saved["callbacks"][cb.state_key])
         cb.on_load_checkpoint(trainer, trainer.module, saved["module_extra"])
     trainer.module.on_load_checkpoint(saved["module_extra"])
-    same_layout = meta["world_size"] == trainer.world_size
-    if same_layout and len(ranks) > trainer.global_rank:
-        set_rng_state(ranks[trainer.global_rank]["rng"])
+    rngs = checkpoint["rng"]
+    if checkpoint["meta"]["world_size"] == trainer.world_size and len(rngs) > trainer.global_rank:
+        set_rng_state(rngs[trainer.global_rank])
 
 
-def check_compatible(trainer: Trainer, model_state: dict[str, torch.Tensor], path: str) -> None:
-    """Every difference between the checkpoint and the model, listed at once."""
-    expected = {k: v for k, v in trainer.strategy.full_state_shapes().items()}
-    problems = []
-    for key in sorted(set(expected) - set(model_state)):
-        problems.append(f"missing: {key}")
-    for key in sorted(set(model_state) - set(expected)):
-        problems.append(f"unexpected: {key}")
+def check_compatible(trainer: Trainer, checkpoint: dict[str, Any], path: str, weights_only: bool = False) -> None:
+    """Every difference between the checkpoint and the model (and, unless `weights_only`, its optimizers),
+    listed at once in one ValueError."""
+    expected = trainer.strategy.full_state_shapes()
+    model_state = checkpoint["state_dict"]
+    missing, unexpected = set(expected) - set(model_state), set(model_state) - set(expected)
+    problems = [f"missing: {key}" for key in sorted(missing)]
+    problems += [f"unexpected: {key}" for key in sorted(unexpected)]
     for key in sorted(set(expected) & set(model_state)):
         shape, dtype = expected[key]
         if list(model_state[key].shape) != list(shape):
             problems.append(f"shape of {key}: checkpoint {list(model_state[key].shape)}, model {list(shape)}")
         elif model_state[key].dtype != dtype:
             problems.append(f"dtype of {key}: checkpoint {model_state[key].dtype}, model {dtype}")
+    if not weights_only:
+        reported = missing | unexpected
+        problems += _optimizer_problems(trainer, checkpoint["optimizers"], reported)
     if problems:
         raise ValueError(f"ckpt_path={path!r} does not fit this model:\n  " + "\n  ".join(problems))
+
+
+def _optimizer_problems(trainer: Trainer, saved: list[dict[str, Any]], reported: set[str]) -> list[str]:
+    """Differences in optimizer count, class, group count and the parameters of each group (names already
+    reported as missing or unexpected in the model are not repeated)."""
+    if len(saved) != len(trainer.optimizers):
+        return [f"optimizers: checkpoint {len(saved)}, module {len(trainer.optimizers)}"]
+    problems = []
+    for i, (optimizer, names, ckpt) in enumerate(zip(trainer.optimizers, trainer.param_group_names, saved)):
+        kind = type(optimizer).__name__
+        if ckpt.get("class") != kind:
+            problems.append(f"class of optimizer {i}: checkpoint {ckpt.get('class')}, module {kind}")
+        groups = ckpt["param_groups"]
+        if len(groups) != len(names):
+            problems.append(f"parameter groups of optimizer {i}: checkpoint {len(groups)}, module {len(names)}")
+            continue
+        for j, (group, group_names) in enumerate(zip(groups, names)):
+            ours, theirs = set(group_names) - reported, set(group["param_names"]) - reported
+            problems += [f"missing in optimizer {i} group {j}: {n}" for n in sorted(ours - theirs)]
+            problems += [f"unexpected in optimizer {i} group {j}: {n}" for n in sorted(theirs - ours)]
+    return problems

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from .data import limit_batches, set_epoch
 from .seed import rng_state, set_rng_state
@@ -68,14 +71,31 @@ class StepRunner:
                 if batch_idx == skip - 1:
                     set_rng_state(resume_rng)
                 continue
-            self.train_batch(batch, batch_idx)
-            if self._validation_due(batch_idx):
-                self.validate()
+            with self._naming_the_step(batch_idx):
+                self.train_batch(batch, batch_idx)
+                if self._validation_due(batch_idx):
+                    self.validate()
             if t.max_steps > 0 and t.global_step >= t.max_steps and batch_idx + 1 < t.num_training_batches:
                 return  # stopped inside the epoch: it is not over, and a resume continues it at the next batch
             if t.should_stop or (t.max_steps > 0 and t.global_step >= t.max_steps):
                 break
         self._end_train_epoch()
+
+    @contextmanager
+    def _naming_the_step(self, batch_idx: int) -> Iterator[None]:
+        """Say where training was when a collective failed (gloo raises plain RuntimeErrors, nccl DistErrors;
+        subclasses such as torch.OutOfMemoryError pass unchanged)."""
+        try:
+            yield
+        except RuntimeError as error:
+            collective = type(error) is RuntimeError or isinstance(error, dist.DistError)
+            if not collective or not self.strategy.distributed:
+                raise
+            t = self.trainer
+            raise type(error)(
+                f"rank {t.global_rank} failed at global step {t.global_step}, epoch {t.current_epoch}, "
+                f"batch {batch_idx}: {error}"
+            ) from error
 
     def _end_train_epoch(self) -> None:
         t = self.trainer

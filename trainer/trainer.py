@@ -89,6 +89,7 @@ class Trainer:
         self.module: TrainModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_scheduler_configs: list[dict[str, Any]] = []
+        self.param_group_names: list[list[list[str]]] = []  # by optimizer, by group
         self.should_stop = False
         self.ckpt_path: str | None = None
         self.num_training_batches = 0
@@ -190,7 +191,9 @@ class Trainer:
             train_dataloaders, module.train_dataloader, "train_dataloaders", required=True
         )
         val_loader = self._loader(val_dataloaders, module.val_dataloader, "val_dataloaders")
-        self.optimizers, self.lr_scheduler_configs = configure_optimizers(module, self.strategy)
+        self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
+            module, self.strategy
+        )
         if ckpt_path is not None:
             self._restore(ckpt_path)
         runner = StepRunner(self, train_loader, val_loader)
@@ -272,10 +275,19 @@ class Trainer:
             module_hook(*args, **kwargs)
 
     # ---- checkpoints --------------------------------------------------------------------------------
-    def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write a checkpoint directory at `path`. Collective: call it on every rank."""
-        from .state import checkpoint_state
+    def save_checkpoint(self, path: str | os.PathLike, full: bool = False) -> None:
+        """Write a checkpoint directory at `path`, or with `full=True` one file that torch.load reads (rank 0
+        writes it). Collective: call it on every rank."""
+        from .state import checkpoint_state, full_checkpoint
 
+        if full:
+            if os.path.isdir(path):  # checked before any rank starts gathering
+                raise ValueError(f"save_checkpoint(full=True): {os.fspath(path)!r} is a directory; use a file path")
+            checkpoint = full_checkpoint(self)
+            if self.is_global_zero:
+                ckpt_io.save_file(checkpoint, path)
+            self.strategy.barrier()
+            return
         rank_state, trainer_state, meta = checkpoint_state(self)
         ckpt_io.save_directory(os.fspath(path), rank_state, trainer_state, self.strategy, meta)
 

@@ -1,0 +1,127 @@
+"""Rank program for tests/test_faults.py: a tiny deterministic fit that checkpoints every 3 steps, resumes with
+ckpt_path="last", and can hurt itself on purpose.
+
+python tests/scripts/fault_train.py --root DIR --devices 2 [--fault KIND:STEP:RANK ...] [--timeout S]
+  kill   rank RANK SIGKILLs itself once global step STEP is done
+  save   rank RANK SIGKILLs itself in the checkpoint save at step STEP, after writing its own file
+  hang   rank RANK sleeps before computing global step STEP
+Each fault fires once per DIR (a marker file DIR/fault<i> remembers it), so a restarted group runs past it.
+Writes DIR/rank<r>.pid, DIR/fault_at (time of the fault), DIR/failed_at.rank<r> (time a rank raised),
+DIR/starts.log (per start: the global step and checkpoint training started from) and DIR/final.pt (a full
+checkpoint at the end). Under torchrun the environment is read from the variables torchrun sets.
+"""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # the same arithmetic under any launcher
+
+import argparse  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from callbacks import Callback, ModelCheckpoint  # noqa: E402
+from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
+from trainer import checkpoint as ckpt_io  # noqa: E402
+
+
+class Net(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(48, 8, generator=g), torch.randint(0, 4, (48,), generator=g))
+    return DataLoader(data, batch_size=4, shuffle=True)  # 6 steps per epoch at 2 ranks
+
+
+class Faults(Callback):
+    def __init__(self, root: str, faults: list[str]) -> None:
+        self.root = root
+        self.faults = [(i, kind, int(step), int(rank)) for i, (kind, step, rank) in
+                       enumerate(f.split(":") for f in faults)]
+        self.trainer: Trainer | None = None
+        if any(kind == "save" for _, kind, _, _ in self.faults):
+            self._die_in_saves()
+
+    def _die_in_saves(self) -> None:
+        real_write = ckpt_io._write
+
+        def write_then_die(obj, path):  # the test's way into the middle of a checkpoint save
+            info = real_write(obj, path)
+            if os.path.basename(path) == f"rank{self.trainer.global_rank}.pt":
+                self._fire("save", self.trainer.global_step)
+            return info
+
+        ckpt_io._write = write_then_die
+
+    def setup(self, trainer, module, stage) -> None:
+        self.trainer = trainer
+        with open(os.path.join(self.root, f"rank{trainer.global_rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def on_train_start(self, trainer, module) -> None:
+        if trainer.is_global_zero:
+            with open(os.path.join(self.root, "starts.log"), "a") as f:
+                f.write(f"{trainer.global_step} {trainer.ckpt_path}\n")
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self._fire("hang", trainer.global_step)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._fire("kill", trainer.global_step)
+
+    def _fire(self, kind: str, step: int) -> None:
+        for i, fault_kind, fault_step, rank in self.faults:
+            marker = os.path.join(self.root, f"fault{i}")
+            if (fault_kind, fault_step, rank) != (kind, step, self.trainer.global_rank) or os.path.exists(marker):
+                continue
+            open(marker, "w").close()
+            with open(os.path.join(self.root, "fault_at"), "w") as f:
+                f.write(repr(time.time()))
+            if kind == "hang":
+                time.sleep(600)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(root: str, devices: int = 2, faults: list[str] | None = None, timeout: float = 60) -> Trainer:
+    seed_everything(0)
+    saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=3)
+    trainer = Trainer(strategy="fsdp", devices=devices, max_steps=10, deterministic=True, logger=False,
+                      enable_progress_bar=False, callbacks=[Faults(root, faults or []), saver], timeout=timeout)
+    try:
+        trainer.fit(Net(), loader(), ckpt_path="last")
+    except BaseException:
+        with open(os.path.join(root, f"failed_at.rank{trainer.global_rank}"), "w") as f:
+            f.write(repr(time.time()))
+        raise
+    trainer.save_checkpoint(os.path.join(root, "final.pt"), full=True)
+    return trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--fault", action="append", default=[])
+    parser.add_argument("--timeout", type=float, default=60)
+    args = parser.parse_args()
+    trainer = train(args.root, args.devices, args.fault, args.timeout)
+    print(f"rank {trainer.global_rank} done at step {trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

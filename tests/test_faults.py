@@ -1,0 +1,139 @@
+"""Faults injected for real into real processes (tests/scripts/fault_train.py): torchrun restarting a group whose
+rank was killed in training and then in the middle of a checkpoint save, a killed rank and a hanging rank under
+the Trainer's own launcher, and a lost node under torchrun.
+
+Every command is started at once by the module fixture `jobs` (importing torch costs seconds per process here);
+each test waits for its own. The run they are compared with is trained on the rank pool meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ranks import ROOT
+from tests.scripts import fault_train
+from tests.test_launcher import Job, _alive, _free_port
+from trainer import checkpoint as ckpt_io
+
+SCRIPT = os.path.join(ROOT, "tests", "scripts", "fault_train.py")
+TIMEOUT = 5  # Trainer(timeout=...) in the jobs that wait for a lost rank
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("faults")
+    two_nodes = tmp / "two_nodes"
+    two_nodes.mkdir()
+    node = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                    "--master-port", str(_free_port()))
+    lost_node = [SCRIPT, "--root", str(two_nodes), "--fault", "kill:2:1", "--timeout", str(TIMEOUT)]
+    commands = {
+        # README's fault-tolerant command line; rank 1 dies after step 5, then rank 0 while saving step 9
+        "restarts": [*torchrun("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "2", "--rdzv-backend",
+                               "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"),
+                     SCRIPT, "--root", str(tmp / "restarts"), "--fault", "kill:5:1", "--fault", "save:9:0"],
+        "killed": [sys.executable, SCRIPT, "--root", str(tmp / "killed"), "--fault", "kill:2:1"],
+        "hangs": [sys.executable, SCRIPT, "--root", str(tmp / "hangs"), "--fault", "hang:2:1",
+                  "--timeout", str(TIMEOUT)],
+        "node0": [*node, "--node-rank", "0", *lost_node],
+        "node1": [*node, "--node-rank", "1", *lost_node],
+    }
+    started = {name: Job(argv, tmp / name) for name, argv in commands.items()}
+    yield started
+    for job in started.values():
+        job.kill()
+
+
+def _uninterrupted_body(root: str) -> None:
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        fault_train.train(root)
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(jobs, rank_pool, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The final weights of the same training at the same world size, never interrupted."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    rank_pool(2).run(_uninterrupted_body, str(root))
+    return ckpt_io.load_full_state_dict(root / "final.pt")
+
+
+def _starts(root: Path) -> list[tuple[int, str]]:
+    """(global step, checkpoint) each attempt started training from."""
+    lines = (root / "starts.log").read_text().splitlines()
+    return [(int(step), os.path.basename(path)) for step, path in (line.split(" ", 1) for line in lines)]
+
+
+def _assert_no_survivors(root: Path) -> None:
+    pids = [int((root / f"rank{r}.pid").read_text()) for r in range(2)]
+    assert not [pid for pid in pids if _alive(pid)], "rank processes survived the job"
+
+
+def _seconds(root: Path, since: str, until: str) -> float:
+    return float((root / until).read_text()) - float((root / since).read_text())
+
+
+# -- torchrun --max-restarts ----------------------------------------------------------------------------------
+def test_torchrun_restarts_a_killed_group_and_training_ends_with_the_uninterrupted_weights(jobs, uninterrupted):
+    code, _, err = jobs["restarts"].result(timeout=300)
+    assert code == 0, err[-5000:]
+    root = jobs["restarts"].workdir
+    assert _starts(root) == [(0, "None"), (3, "epoch=0-step=3"), (6, "epoch=0-step=6")]
+    assert "rank 0 failed at global step 5, epoch 0, batch 5" in err  # the survivor, before torchrun restarted
+
+    final = torch.load(root / "final.pt")  # a full checkpoint: one plain file
+    assert final["trainer"]["state"]["global_step"] == 10 and final["meta"]["world_size"] == 2
+    assert list(final["state_dict"]) == list(uninterrupted)
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(final["state_dict"][name], tensor), name
+
+
+def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_which_is_resumed(jobs):
+    code, _, err = jobs["restarts"].result(timeout=300)
+    assert code == 0, err[-5000:]
+    ckpts = jobs["restarts"].workdir / "ckpts"
+    (staging,) = [p for p in ckpts.iterdir() if p.name.startswith("epoch=1-step=9.tmp-")]
+    assert "rank0.pt" in os.listdir(staging) and "meta.json" not in os.listdir(staging)  # killed mid-save
+    assert _starts(jobs["restarts"].workdir)[-1] == (6, "epoch=0-step=6")  # the previous one, intact
+    assert ckpt_io.read_meta(ckpts / "epoch=0-step=6")["global_step"] == 6
+    ckpt_io.load_checkpoint(ckpts / "epoch=0-step=6")  # every file's checksum still matches
+    assert ckpt_io.find_last(str(ckpts)) == str(ckpts / "epoch=1-step=9")  # saved again after the restart
+
+
+# -- the Trainer's own launcher -------------------------------------------------------------------------------
+def test_a_killed_rank_ends_every_rank_within_seconds(jobs):
+    job = jobs["killed"]
+    code, _, err = job.result(timeout=150)
+    assert code != 0
+    assert re.search(r"\[launcher\] .*rank 1 was killed by SIGKILL", err), err[-3000:]
+    assert job.ended - float((job.workdir / "fault_at").read_text()) < 10
+    _assert_no_survivors(job.workdir)
+
+
+def test_a_hanging_rank_makes_the_others_fail_at_the_timeout_naming_the_step(jobs):
+    job = jobs["hangs"]
+    code, _, err = job.result(timeout=150)
+    assert code != 0
+    assert "rank 0 failed at global step 2, epoch 0, batch 2: " in err and "Timed out" in err, err[-3000:]
+    assert TIMEOUT - 0.5 < _seconds(job.workdir, "fault_at", "failed_at.rank0") < TIMEOUT + 5
+    _assert_no_survivors(job.workdir)
+
+
+# -- a lost node under torchrun -------------------------------------------------------------------------------
+def test_when_a_node_is_lost_the_other_fails_within_the_timeout_naming_the_step(jobs):
+    node0, node1 = jobs["node0"].result(timeout=150), jobs["node1"].result(timeout=150)
+    assert node1[0] != 0 and node0[0] != 0
+    assert "rank 0 failed at global step 2, epoch 0, batch 2: " in node0[2], node0[2][-3000:]
+    assert _seconds(jobs["node0"].workdir.parent / "two_nodes", "fault_at", "failed_at.rank0") < TIMEOUT
