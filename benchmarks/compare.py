@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py                                  # 30m and 100m presets, every variant
     python benchmarks/compare.py --preset 30m --rounds 3
-    python benchmarks/compare.py --variants torch-ddp,ddp,floor --memory fresh
+    python benchmarks/compare.py --variants torch-ddp,ddp,floor --memory inline
 
 For each preset two ranks (gloo, one thread each: OMP_NUM_THREADS=1 and torch.set_num_threads(1)) are started
 once and train every variant in turn, round after round (each round starts one variant later), so machine drift
@@ -17,16 +17,21 @@ touches all alike:
                with no communication (both ranks at once, so they share the machine as the others do)
   floor-solo   (not run by default) rank 0 alone does the floor's work while rank 1 waits
 
-Every round rebuilds each variant from the same seed and runs --warmup untimed and --steps timed AdamW steps on
-the same per-rank batches of stdlib source text. A step is timed on rank 0 between two barriers; the table shows
-the median over all timed steps of all rounds. The final loss (mean over ranks, last step) of every variant
-that averages gradients must agree with torch-ddp's to about 1e-4.
+Every round builds each variant anew from the same seed and runs --warmup untimed and --steps timed AdamW steps
+on the same per-rank batches of stdlib source text. A step is timed on rank 0 between two barriers; the table shows
+the median and the fastest over all timed steps of all rounds, the ratios of the medians, and rank 0's process
+CPU time per step (its compute thread and gloo's threads: on a busy machine wall time swells, CPU time much
+less). The final loss (mean over ranks, last step) of every variant that averages gradients must agree with
+torch-ddp's to about 1e-4.
 
-Peak resident memory per rank (--memory): "inline" (default) measures in the first round of the timing job:
-after a variant is set up, the rank frees what earlier variants left (gc, malloc_trim), resets the kernel's
-peak counter (/proc/self/clear_refs "5") and reads VmHWM after the variant's steps. "fresh" measures each
-variant again in its own new 2-rank job (set up, reset the peak counter, 1 warm-up and 1 step). Either way
-the peak counts the whole process (torch, gloo, the batches: the "process" line) and excludes set-up.
+Peak resident memory per rank (--memory): after a variant is set up, each rank resets the kernel's peak counter
+(/proc/self/clear_refs "5") and reads VmHWM after the variant's steps, so the peak counts the whole process
+(torch, gloo, the batches: the "process" line) and excludes set-up. With "fresh" (default), after the timing
+rounds each variant runs once more in its own new pair of processes (1 warm-up and 1 step) with glibc's mmap
+threshold fixed at 1 MiB (MALLOC_MMAP_THRESHOLD_, as benchmarks/memory.py) so freed buffers leave the resident
+set; timings never run with it (it costs page faults on every new buffer: +10% on most variants, +35% on fsdp).
+With "inline" the peak comes from round 1 of the timing processes after gc and malloc_trim: no extra time, but
+with glibc's default threshold and what earlier variants left in the heap it reads a few hundred MiB high.
 """
 
 from __future__ import annotations
@@ -223,8 +228,8 @@ def worker(args) -> None:
             if r == 0:
                 results[name].update(out)
             if rank == 0 and not args.quiet:
-                median = sorted(results[name]["times"])[len(results[name]["times"]) // 2] if args.steps else 0
-                print(f"  [{args.preset} round {r + 1}/{args.rounds}] {name:10} median so far {median:.3f} s",
+                so_far = median(results[name]["times"])
+                print(f"  [{args.preset} round {r + 1}/{args.rounds}] {name:10} median so far {so_far:.3f} s",
                       flush=True)
     per_rank = {v: {k: results[v].get(k) for k in ("peak_rss", "setup_rss", "loss")} for v in variants}
     gathered = [None] * world
@@ -261,16 +266,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, preset: str, variants: list[str], rounds: int, warmup: int, steps: int, quiet: bool) -> dict:
+def run_preset(args, preset: str, variants: list[str]) -> dict:
+    """Every round of one preset in one pair of processes, then (--memory fresh) each variant's peak memory in its
+    own new pair; returns rank 0's summary (per variant: step times, CPU times, peak RSS, final loss)."""
+    summary = launch(args, preset, variants, args.rounds, args.warmup, args.steps, quiet=False)
+    if args.memory == "fresh":
+        # glibc raises its mmap threshold as large blocks are freed, after which freed multi-MiB buffers stay in
+        # the heap and count in the peak; a fixed threshold returns them (as benchmarks/memory.py does). Only
+        # here: it costs every variant page faults on each new buffer, so timings are taken without it.
+        env = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+        for v in variants:
+            row = launch(args, preset, [v], 1, 1, 1, quiet=True, env=env)["variants"][v]
+            summary["variants"][v]["peak_rss"] = row["peak_rss"]
+            print(f"  [{preset} memory, new processes] {v:10} peak RSS "
+                  f"{' / '.join(f'{b / MiB:.0f}' for b in row['peak_rss'])} MiB", flush=True)
+    return summary
+
+
+def launch(args, preset: str, variants: list[str], rounds: int, warmup: int, steps: int, quiet: bool,
+           env: dict | None = None) -> dict:
     """One 2-rank job (this script with --worker) that runs `variants`; returns rank 0's summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--preset", preset,
                    "--variants", ",".join(variants), "--rounds", str(rounds), "--warmup", str(warmup),
-                   "--steps", str(steps), "--batch-size", str(args.batch_size), "--block-size",
-                   str(args.block_size), "--lr", str(args.lr), "--seed", str(args.seed)] + (["--quiet"] * quiet)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               "WORLD_SIZE": str(args.ranks)}
+                   "--steps", str(steps), "--batch-size", str(args.batch_size),
+                   "--block-size", str(args.block_size), "--lr", str(args.lr), "--seed", str(args.seed)]
+        command += ["--quiet"] * quiet
+        env = {**(env or {}), **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks)}
         procs, logs = [], []
         for rank in range(args.ranks):
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
@@ -301,7 +325,8 @@ def median(values: list[float]) -> float:
 def report(preset: str, summary: dict, args) -> str:
     p, world, rows = summary["params"], summary["world"], summary["variants"]
     med = {v: median(r["times"]) for v, r in rows.items()}
-    floor = med.get("floor", med.get("floor-solo"))
+    floor_name = "floor" if "floor" in med else "floor-solo"
+    floor = med.get(floor_name)
     reference = rows.get("torch-ddp", rows.get("ddp", {})).get("loss")
     lines = [f"### {preset}: {p / 1e6:.1f}M parameters, batch {args.batch_size} x {args.block_size} tokens per rank, "
              f"{world} ranks, {len(next(iter(rows.values()))['times'])} timed steps per variant",
@@ -312,15 +337,17 @@ def report(preset: str, summary: dict, args) -> str:
     for v, r in rows.items():
         other = COUNTERPART.get(v)
         vs_torch = f"{med[v] / med[other]:.2f} x {other}" if other in med else ""
-        vs_floor = f"{med[v] / floor:.2f}" if floor and v != "floor" else ""
+        vs_floor = f"{med[v] / floor:.2f}" if floor and v != floor_name else ""
         peak = " / ".join(f"{b / MiB:.0f}" for b in r["peak_rss"] if b is not None)
         cells = [v, f"{med[v]:.3f}", f"{min(r['times']):.3f}", vs_torch, vs_floor, f"{median(r['cpu']):.2f}", peak,
                  f"{theory_bytes(v, p, world) / MiB:.0f}", _loss_cell(v, r["loss"], reference)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    where = ("in new processes per variant, MALLOC_MMAP_THRESHOLD_=1MiB" if args.memory == "fresh"
+             else "in round 1 of the timing processes")
     lines.append(f"process without a model (torch, gloo, batches): "
                  f"{' / '.join(f'{b / MiB:.0f}' for b in summary['process_rss'])} MiB per rank; peak RSS measured "
-                 f"{'in a fresh job per variant' if args.memory == 'fresh' else 'in round 1 of the timing job'}, "
+                 f"{where}, "
                  f"after set-up. (=) final loss within 1e-4 of torch-ddp's. CPU s per step: rank 0's process CPU "
                  f"time (compute thread and gloo's threads), median; wall time above CPU time is waiting.")
     comm = {v: r["comm"] for v, r in rows.items() if r.get("comm")}
@@ -367,8 +394,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--memory", default="inline", choices=["inline", "fresh"],
-                        help="measure peak RSS in the timing job (inline) or in a new job per variant (fresh)")
+    parser.add_argument("--memory", default="fresh", choices=["fresh", "inline"],
+                        help="fresh: peak RSS of each variant in its own new pair of processes (1 warm-up + 1 step); "
+                             "inline: from round 1 of the timing processes (no extra time, a few hundred MiB noisier)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ranks", type=int, default=2)
@@ -383,6 +411,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("rounds", "steps", "batch_size", "block_size", "ranks"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     return args
 
 
@@ -400,12 +430,7 @@ def main(argv=None) -> None:
           f"{args.ranks} ranks on gloo, 1 thread per rank\n", flush=True)
     started, raw = time.perf_counter(), {}
     for preset in presets:
-        summary = launch(args, preset, variants, args.rounds, args.warmup, args.steps, quiet=False)
-        if args.memory == "fresh":
-            for v in variants:
-                fresh = launch(args, preset, [v], 1, 1, 1, quiet=True)["variants"][v]
-                summary["variants"][v]["peak_rss"] = fresh["peak_rss"]
-        raw[preset] = summary
+        raw[preset] = summary = run_preset(args, preset, variants)
         print("\n" + report(preset, summary, args) + "\n", flush=True)
     print(f"total wall time {time.perf_counter() - started:.0f} s")
     if args.json:
