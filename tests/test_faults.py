@@ -117,7 +117,10 @@ def test_a_killed_rank_ends_every_rank_within_seconds(jobs):
     job = jobs["killed"]
     code, _, err = job.result(timeout=150)
     assert code != 0
-    assert re.search(r"\[launcher\] .*rank 1 was killed by SIGKILL", err), err[-3000:]
+    # Rank 0 names the dead rank when it exits by itself; once under heavy load it was instead ended by a signal
+    # inside gloo (code < 0, nothing printed) as its peer vanished: still a fast exit, checked below.
+    if code > 0:
+        assert re.search(r"\[launcher\] .*rank 1 was killed by SIGKILL", err), err[-3000:]
     assert job.ended - float((job.workdir / "fault_at").read_text()) < 10
     _assert_no_survivors(job.workdir)
 
