@@ -70,6 +70,7 @@ class ModelCheckpoint(Callback):
         self._last_global_step_saved = 0
         self._dirpath_resolved = False
         self._pending_state: dict[str, Any] | None = None
+        self._restored_paths: set[str] = set()  # checkpoints this callback wrote in the run it resumes
 
     @property
     def state_key(self) -> str:
@@ -83,8 +84,10 @@ class ModelCheckpoint(Callback):
         dirpath = self.dirpath or _realpath(os.path.join(root, "checkpoints"))
         self.dirpath = trainer.strategy.broadcast(dirpath, src=0)
         self._dirpath_resolved = True
-        if stage == "fit" and trainer.is_global_zero and os.path.isdir(dirpath) and os.listdir(dirpath):
-            warnings.warn(f"Checkpoint directory {dirpath} exists and is not empty.", stacklevel=2)
+        if stage == "fit" and trainer.is_global_zero and os.path.isdir(dirpath):
+            _remove_staging_leftovers(dirpath)
+            if os.listdir(dirpath):
+                warnings.warn(f"Checkpoint directory {dirpath} exists and is not empty.", stacklevel=2)
         if self._pending_state is not None:
             self._restore(self._pending_state)
             self._pending_state = None
@@ -218,11 +221,13 @@ class ModelCheckpoint(Callback):
         return trainer.strategy.broadcast(path, src=0)
 
     def _should_remove(self, trainer: Trainer, previous: str, current: str) -> bool:
-        """Only checkpoints inside `dirpath`, never the new one or the one this run resumed from."""
+        """Only checkpoints inside `dirpath`, never the new one, nor the one this run resumed from unless this
+        callback wrote it itself (in the run it resumes: a restarted job must not pile up checkpoints)."""
         previous = _realpath(previous)
         if previous == _realpath(current):
             return False
-        if trainer.ckpt_path is not None and previous == _realpath(trainer.ckpt_path):
+        resumed_from = trainer.ckpt_path is not None and previous == _realpath(trainer.ckpt_path)
+        if resumed_from and previous not in self._restored_paths:
             return False
         return os.path.commonpath([previous, self.dirpath]) == self.dirpath
 
@@ -271,6 +276,7 @@ class ModelCheckpoint(Callback):
         self.kth_best_model_path = state["kth_best_model_path"]
         self.kth_value = _tensor(state["kth_value"])
         self.last_model_path = state["last_model_path"]
+        self._restored_paths = {_realpath(p) for p in [*self.best_k_models, self.last_model_path] if p}
 
 
 def _check_triggers(save_top_k: int, every_n_train_steps: int | None, every_n_epochs: int | None) -> None:
@@ -282,6 +288,13 @@ def _check_triggers(save_top_k: int, every_n_train_steps: int | None, every_n_ep
     if (every_n_train_steps or 0) > 0 and (every_n_epochs or 0) > 0:
         raise ValueError("ModelCheckpoint: `every_n_train_steps` and `every_n_epochs` are mutually exclusive;"
                          f" got every_n_train_steps={every_n_train_steps}, every_n_epochs={every_n_epochs}")
+
+
+def _remove_staging_leftovers(dirpath: str) -> None:
+    """Staging folders ("<name>.tmp-<id>") of saves that crashed or were killed; no save runs during setup."""
+    for entry in os.listdir(dirpath):
+        if ".tmp-" in entry:
+            _remove(os.path.join(dirpath, entry))
 
 
 def _remove(path: str) -> None:

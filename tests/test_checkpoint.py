@@ -25,7 +25,7 @@ from trainer import Trainer, TrainModule, seed_everything
 from trainer import checkpoint as ckpt_io
 
 VOCAB, DIM, SEQ = 11, 6, 5
-SAMPLES, GLOBAL_BATCH = 24, 6  # 4 optimizer steps per epoch at any world size that divides 6
+SAMPLES, GLOBAL_BATCH = 48, 12  # 4 optimizer steps per epoch at any world size that divides 12
 SHARDED = ("zero1", "zero2", "fsdp")
 
 
@@ -533,12 +533,29 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
     assert len(leftovers) == 1 and leftovers[0].startswith("last.tmp-")
     assert ckpt_io.find_last(str(tmp_path / "ckpts")) == path
 
-    trainer.save_checkpoint(path)  # a good save replaces it; only the failed attempt's staging folder is left
-    assert sorted(os.listdir(tmp_path / "ckpts")) == sorted(["last", *leftovers])
+    trainer.save_checkpoint(path)  # a good save replaces it and removes the failed attempt's staging folder
+    assert os.listdir(tmp_path / "ckpts") == ["last"]
     assert torch.equal(ckpt_io.load_full_state_dict(path)["net.embed.weight"], good["net.embed.weight"] + 1)
 
 
-# -- resharding: fsdp at 2 -> zero2 at 3 -> ddp at 1 -> fsdp at 3 ---------------------------------------------
+def test_a_crash_while_a_checkpoint_is_replaced_leaves_the_old_one_to_resume(tmp_path):
+    """Replacing `last` renames the old one aside, then the new one into place; a crash in between leaves
+    only `last.old-*`: it still counts as the newest checkpoint, and the next save removes it."""
+    ckpts = tmp_path / "ckpts"
+    trainer, _ = fit(str(tmp_path), "single", 1, max_steps=2, save_to=str(ckpts / "last"))
+    good = ckpt_io.load_full_state_dict(ckpts / "last")
+    os.rename(ckpts / "last", ckpts / "last.old-0123abcd")  # what the crash leaves
+    shutil.copytree(ckpts / "last.old-0123abcd", ckpts / "last.tmp-4567cdef")  # and an unfinished staging folder
+
+    found = ckpt_io.find_last(str(ckpts))
+    assert found == str(ckpts / "last.old-0123abcd")
+    assert_states_close(ckpt_io.load_full_state_dict(found), good, atol=0)
+
+    trainer.save_checkpoint(ckpts / "last")
+    assert os.listdir(ckpts) == ["last"] and ckpt_io.find_last(str(ckpts)) == str(ckpts / "last")
+
+
+# -- resharding: fsdp at 2 -> zero2 at 3 -> ddp at 1 -> fsdp at 4 ---------------------------------------------
 class SaveAtStart(Callback):
     """Writes a checkpoint as training starts, i.e. right after `fit` loaded one: what the load produced."""
 
@@ -568,7 +585,7 @@ def _assert_same_checkpoint_state(a: str, b: str, atol: float) -> None:
 
 def test_a_checkpoint_moves_between_strategies_and_world_sizes(rank_pool, tmp_path):
     root = str(tmp_path)
-    phases = [("fsdp", 2, 3), ("zero2", 3, 6), ("ddp", 1, 9), ("fsdp", 3, 14)]  # 4 steps per epoch
+    phases = [("fsdp", 2, 3), ("zero2", 3, 6), ("ddp", 1, 9), ("fsdp", 4, 14)]  # 4 steps per epoch
     source = None
     for strategy, devices, max_steps in phases:
         if devices == 1:

@@ -59,6 +59,7 @@ def save_directory(
     path = os.path.abspath(os.fspath(path))
     staging = strategy.broadcast(f"{path}.tmp-{uuid.uuid4().hex[:8]}")
     if strategy.is_global_zero:
+        _remove_leftovers(path, ".tmp-")  # staging folders of saves that crashed or were killed
         os.makedirs(staging, exist_ok=False)
     strategy.barrier()
     files = {
@@ -85,14 +86,20 @@ def save_directory(
 
 
 def _replace_directory(staging: str, path: str) -> None:
-    """Move the finished checkpoint into place; an older one at `path` is removed only afterwards."""
+    """Move the finished checkpoint into place; an older one at `path` is removed only afterwards. A crash
+    between the two renames leaves the older one complete as `path.old-*`, which `find_last` still finds."""
     if os.path.exists(path):
-        old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(path, old)
-        os.rename(staging, path)
-        shutil.rmtree(old)
-    else:
-        os.rename(staging, path)
+        os.rename(path, f"{path}.old-{uuid.uuid4().hex[:8]}")
+    os.rename(staging, path)
+    _remove_leftovers(path, ".old-")
+
+
+def _remove_leftovers(path: str, marker: str) -> None:
+    """Remove the folders `<path><marker>*` beside `path`."""
+    directory, name = os.path.split(path)
+    for entry in os.listdir(directory) if os.path.isdir(directory) else []:
+        if entry.startswith(name + marker):
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
 
 
 def read_meta(path: str) -> dict[str, Any]:
@@ -245,13 +252,15 @@ def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
 
 def find_last(*directories: str) -> str | None:
     """The newest complete checkpoint (one with meta.json) under any of `directories`, by its recorded global
-    step (then by time)."""
+    step (then by time). Staging folders never count; `X.old-*` (left by a crash while X was being replaced)
+    counts only while X is missing."""
     found = []
     for directory in directories:
         entries = os.listdir(directory) if os.path.isdir(directory) else []
         for entry in entries:
             full = os.path.join(directory, entry)
-            if ".tmp-" in entry or ".old-" in entry or not os.path.isfile(os.path.join(full, META)):
+            replaced = ".old-" in entry and os.path.exists(full.rsplit(".old-", 1)[0])
+            if ".tmp-" in entry or replaced or not os.path.isfile(os.path.join(full, META)):
                 continue
             meta = read_meta(full)
             found.append((meta.get("global_step", -1), os.path.getmtime(os.path.join(full, META)), full))

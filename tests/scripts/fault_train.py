@@ -6,7 +6,8 @@ python tests/scripts/fault_train.py --root DIR --devices 2 [--fault KIND:STEP:RA
   save   rank RANK SIGKILLs itself in the checkpoint save at step STEP, after writing its own file
   hang   rank RANK sleeps before computing global step STEP
 Each fault fires once per DIR (a marker file DIR/fault<i> remembers it), so a restarted group runs past it.
-Writes DIR/rank<r>.pid, DIR/fault_at (time of the fault), DIR/failed_at.rank<r> (time a rank raised),
+Writes DIR/rank<r>.pid, DIR/fault_at (time of the fault), DIR/staging_at_fault (the files in the staging
+folder when a "save" fault fires), DIR/failed_at.rank<r> (time a rank raised),
 DIR/starts.log (per start: the global step and checkpoint training started from) and DIR/final.pt (a full
 checkpoint at the end). Under torchrun the environment is read from the variables torchrun sets.
 """
@@ -62,7 +63,9 @@ class Faults(Callback):
 
         def write_then_die(obj, path):  # the test's way into the middle of a checkpoint save
             info = real_write(obj, path)
-            if os.path.basename(path) == f"rank{self.trainer.global_rank}.pt":
+            if os.path.basename(path) == f"rank{self.trainer.global_rank}.pt" and self._due("save"):
+                with open(os.path.join(self.root, "staging_at_fault"), "w") as f:
+                    f.write("\n".join(sorted(os.listdir(os.path.dirname(path)))))
                 self._fire("save", self.trainer.global_step)
             return info
 
@@ -84,10 +87,17 @@ class Faults(Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self._fire("kill", trainer.global_step)
 
+    def _due(self, kind: str) -> bool:
+        step = self.trainer.global_step
+        return any(self._fires(i, fault, (kind, step, self.trainer.global_rank)) for i, *fault in self.faults)
+
+    def _fires(self, i: int, fault: list, now: tuple) -> bool:
+        return tuple(fault) == now and not os.path.exists(os.path.join(self.root, f"fault{i}"))
+
     def _fire(self, kind: str, step: int) -> None:
         for i, fault_kind, fault_step, rank in self.faults:
             marker = os.path.join(self.root, f"fault{i}")
-            if (fault_kind, fault_step, rank) != (kind, step, self.trainer.global_rank) or os.path.exists(marker):
+            if not self._fires(i, [fault_kind, fault_step, rank], (kind, step, self.trainer.global_rank)):
                 continue
             open(marker, "w").close()
             with open(os.path.join(self.root, "fault_at"), "w") as f:
