@@ -5,7 +5,9 @@
 
 Each strategy runs as its own 2-rank job (started by the Trainer). After set-up, each rank resets its kernel
 peak-RSS counter (/proc/self/clear_refs), trains a few AdamW steps, and reports its peak resident memory, the
-engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. The jobs run with
+engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. Then every rank writes a
+full checkpoint (`trainer.save_checkpoint(path, full=True)`, gathered unit by unit to rank 0) and reports how
+far its resident memory rose during that save, next to the file's size. The jobs run with
 MALLOC_MMAP_THRESHOLD_=1048576 (unless set) so that freed buffers leave the resident set (see main()).
 """
 
@@ -16,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,13 +43,18 @@ def _rss_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field))
 
 
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS, which is returned in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss_kib("VmRSS:") * 1024
+
+
 class PeakMemory(Callback):
     """Reset the peak-RSS counter when training starts; read it when training ends."""
 
     def on_train_start(self, trainer, module) -> None:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        self.start_rss = _rss_kib("VmRSS:") * 1024
+        self.start_rss = _reset_peak_rss()
 
     def on_train_end(self, trainer, module) -> None:
         self.peak_rss = _rss_kib("VmHWM:") * 1024
@@ -71,10 +79,22 @@ def run_one(strategy: str, preset: str, steps: int, devices: int) -> None:
                       enable_checkpointing=False, enable_progress_bar=False, callbacks=[peak])
     trainer.fit(GPTModule(config, max_steps=steps), DataLoader(data, batch_size=2))
     row = {"strategy": strategy, "rank": trainer.global_rank, "peak_rss": peak.peak_rss, "start_rss": peak.start_rss,
-           "report": peak.report, "params": GPT.count_parameters(config)}
+           "report": peak.report, "params": GPT.count_parameters(config), **_full_save_rise(trainer)}
     rows = trainer.strategy.all_gather_object(row)
     if trainer.is_global_zero:
         print("RESULT " + json.dumps(rows), flush=True)
+
+
+def _full_save_rise(trainer: Trainer) -> dict[str, int]:
+    """How far this rank's resident memory rises while a full checkpoint is gathered and written."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(trainer.strategy.broadcast(tmp), "full.pt")
+        before = _reset_peak_rss()
+        trainer.save_checkpoint(path, full=True)
+        rise = _rss_kib("VmHWM:") * 1024 - before
+        size = os.path.getsize(path) if trainer.is_global_zero else 0
+        trainer.strategy.barrier()
+    return {"save_rise": rise, "save_file": size}
 
 
 def main() -> None:
@@ -89,7 +109,8 @@ def main() -> None:
         run_one(args.one, args.preset, args.steps, args.devices)
         return
     print(f"{'strategy':8} {'rank':>4} {'model-state theory':>18} {'engine report':>14} {'peak RSS in training':>21}"
-          f" {'RSS at start':>13}   (MiB; params, grads, optimizer state by the engine)")
+          f" {'RSS at start':>13} {'full save: RSS rise':>19} {'file':>6}"
+          f"   (MiB; params, grads, optimizer state by the engine)")
     for strategy in args.strategies.split(","):
         command = [sys.executable, os.path.abspath(__file__), "--one", strategy, "--preset", args.preset,
                    "--steps", str(args.steps), "--devices", str(args.devices)]
@@ -107,6 +128,7 @@ def main() -> None:
             theory = theory_bytes(strategy, row["params"], args.devices)
             print(f"{strategy:8} {row['rank']:>4} {theory / MiB:>18.0f} {model_state / MiB:>14.0f}"
                   f" {row['peak_rss'] / MiB:>21.0f} {row['start_rss'] / MiB:>13.0f}"
+                  f" {row['save_rise'] / MiB:>19.0f} {row['save_file'] / MiB:>6.0f}"
                   f"   ({r['parameters'] / MiB:.0f}, {r['gradients'] / MiB:.0f}, {r['optimizer_state'] / MiB:.0f})")
 
 

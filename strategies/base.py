@@ -17,6 +17,7 @@ from torch import nn
 
 from .sharding import ShardingEngine, ShardingSpec
 from .sharding import state_dict as engine_state
+from .sharding.object_gather import gather_to_rank_zero
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -154,9 +155,7 @@ class Strategy:
             if not self.distributed:
                 yield [part]
                 continue
-            gathered: list | None = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(part, gathered, dst=0)
-            yield gathered
+            yield gather_to_rank_zero(part)
 
     def parameter_aliases(self) -> dict[str, str]:
         return engine_state.parameter_aliases(self.engine.module)

@@ -23,8 +23,16 @@ def _piece(shape: torch.Size, start: int, end: int, data: torch.Tensor) -> dict[
         "dtype": str(data.dtype).removeprefix("torch."),
         "start": start,
         "end": end,
-        "data": data.detach().reshape(-1).cpu().clone(),
+        "data": _standalone(data.detach().reshape(-1).cpu()),
     }
+
+
+def _standalone(flat: torch.Tensor) -> torch.Tensor:
+    """`flat` itself when it is all of its storage (optimizer state usually is), else a copy: torch.save writes
+    a view's whole storage, and the pieces of a flat parameter buffer are views. Pieces are saved or gathered
+    right away, so sharing memory with the live tensor is safe and saves a copy of the state during a save."""
+    whole = flat.storage_offset() == 0 and flat.untyped_storage().nbytes() == flat.numel() * flat.element_size()
+    return flat if whole else flat.clone()
 
 
 def _owned_pieces(engine: ShardingEngine) -> list[tuple[str, int, int, torch.Tensor, torch.Tensor]]:
