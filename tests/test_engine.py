@@ -100,9 +100,8 @@ def test_communication_per_step_matches_theory(rank_pool, accumulate):
     2P and all-gathers the updated P; zero2 reduces its gradients every micro-batch and all-gathers P; fsdp
     all-gathers every wrapped unit twice (forward, then again for backward since it was resharded) and the root
     unit once (it stays unsharded from the start of forward to the end of backward, as in FSDP2), and reduces
-    its gradients every micro-batch. Under no_sync (accumulation) ddp and zero1 do not communicate. On gloo a
-    gradient reduction for a shard is an all-reduce of 2P whose local slice is kept (gloo's own reduce-scatter
-    is an all-reduce plus copies, twice as slow); on nccl it is a reduce-scatter of P."""
+    its gradients every micro-batch. Under no_sync (accumulation) ddp and zero1 do not communicate. A sharded
+    gradient reduction is a reduce-scatter of P (on gloo made of point-to-point messages)."""
     for elements in rank_pool(2).run(body_communication_per_step, accumulate):
         assert set(elements) == set(SPECS)
         for name, (sent, sizes) in elements.items():
@@ -110,8 +109,8 @@ def test_communication_per_step_matches_theory(rank_pool, accumulate):
             expected = {
                 "ddp": {"all_reduce": 2 * P},
                 "zero1": {"all_reduce": 2 * P, "all_gather": P},
-                "zero2": {"all_reduce": accumulate * 2 * P, "all_gather": P},
-                "fsdp": {"all_gather": accumulate * (2 * P - sizes.get("", 0)), "all_reduce": accumulate * 2 * P},
+                "zero2": {"reduce_scatter": accumulate * P, "all_gather": P},
+                "fsdp": {"all_gather": accumulate * (2 * P - sizes.get("", 0)), "reduce_scatter": accumulate * P},
             }[name]
             assert sent == expected, (name, sizes)
         fsdp_units = elements["fsdp"][1]
@@ -131,7 +130,7 @@ def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:
 
 def test_fsdp_without_reshard_after_forward_gathers_each_unit_once(rank_pool):
     for sent in rank_pool(2).run(body_fsdp_gathers_once_without_resharding):
-        assert sent["all_gather"] == sent["P"] and sent["all_reduce"] == 2 * sent["P"]
+        assert sent["all_gather"] == sent["P"] and sent["reduce_scatter"] == sent["P"]
 
 
 # ------------------------------------------------------------------------------------- memory (invariant 2)
@@ -538,12 +537,13 @@ def test_fsdp_parameters_keep_their_shape_and_read_as_zeros_while_sharded(rank_p
 # --------------------------------------------------------------- collectives chosen for gloo
 
 
-def body_gloo_collectives_in_chunks() -> tuple[bool, bool]:
+def body_gloo_collectives_in_chunks() -> tuple[bool, bool, bool, bool]:
     from strategies.sharding import collectives
 
     rank, size = dist.get_rank(), dist.get_world_size()
     stats = collectives.CommStats()
-    previous, collectives.GLOO_CHUNK_BYTES = collectives.GLOO_CHUNK_BYTES, 40  # force several chunks
+    previous = collectives.GLOO_CHUNK_BYTES, collectives.GLOO_P2P_CHUNK_BYTES
+    collectives.GLOO_CHUNK_BYTES = collectives.GLOO_P2P_CHUNK_BYTES = 40  # force several chunks
     try:
         shard = torch.arange(25, dtype=torch.float32) + 100 * rank
         full = torch.empty(25 * size)
@@ -554,11 +554,21 @@ def body_gloo_collectives_in_chunks() -> tuple[bool, bool]:
         collectives.reduce_scatter_sum(out, grads, None, stats, async_op=True).wait()
         total = sum(r + 1 for r in range(size))
         reduced = torch.equal(out, torch.arange(25.0 * rank, 25.0 * (rank + 1)) * total)
+        in_place = torch.arange(25.0 * size) + 1000 * rank  # a rank's shard read from its own place in `full`
+        collectives.all_gather(in_place, in_place[25 * rank : 25 * (rank + 1)], None, stats, async_op=False)
+        expected = torch.cat([torch.arange(25.0 * r, 25.0 * (r + 1)) + 1000 * r for r in range(size)])
+        gathered_in_place = torch.equal(in_place, expected)
+        outs = torch.zeros(3, 25)  # several exchanges in flight at once still pair up in order
+        works = [collectives.reduce_scatter_sum(outs[i], torch.full((25 * size,), float(i) * (rank + 1)), None,
+                                                stats, async_op=True) for i in range(3)]
+        for work in works:
+            work.wait()
+        in_flight = all(torch.equal(outs[i], torch.full((25,), float(i) * total)) for i in range(3))
     finally:
-        collectives.GLOO_CHUNK_BYTES = previous
-    return gathered, reduced
+        collectives.GLOO_CHUNK_BYTES, collectives.GLOO_P2P_CHUNK_BYTES = previous
+    return gathered, reduced, gathered_in_place, in_flight
 
 
-def test_gloo_all_gather_in_chunks_and_reduce_scatter_by_all_reduce_are_exact(rank_pool):
+def test_gloo_all_gather_and_reduce_scatter_by_point_to_point_messages_are_exact(rank_pool):
     for world_size in (2, 3):
-        assert rank_pool(world_size).run(body_gloo_collectives_in_chunks) == [(True, True)] * world_size
+        assert rank_pool(world_size).run(body_gloo_collectives_in_chunks) == [(True, True, True, True)] * world_size

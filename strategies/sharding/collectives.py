@@ -35,9 +35,14 @@ class CommStats:
         return sum(self.elements.values())
 
 
-# gloo's reduce-scatter is a clone, a full all-reduce and a copy, so an all-reduce whose local slice we keep is
-# about twice as fast; and its collectives slow down above a few tens of MiB, so large ones go in chunks.
+# gloo's reduce-scatter is a clone, a full all-reduce and a copy, and its all-gather copies more than it must.
+# Point-to-point messages do better for both: an all-gather is every rank sending its shard to every other, a
+# reduce-scatter every rank sending each other rank that rank's slice and summing what it receives. Measured at
+# 2 ranks on a 28 MiB unit: all-gather 20 -> 14 ms (CPU 17 -> 10 ms), reduce-scatter (as an all-reduce keeping
+# the local slice) 22 -> 16 ms (CPU 31 -> 21 ms). gloo slows down on single messages above a few MiB and
+# collectives above a few tens of MiB, so both go in chunks.
 GLOO_CHUNK_BYTES = 16 * 2**20
+GLOO_P2P_CHUNK_BYTES = 4 * 2**20
 
 
 class Pending:
@@ -63,9 +68,28 @@ def _on_gloo(group: Any) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _chunks(numel: int, element_size: int) -> list[tuple[int, int]]:
-    step = max(1, GLOO_CHUNK_BYTES // element_size)
+def _chunks(numel: int, element_size: int, chunk_bytes: int = GLOO_CHUNK_BYTES) -> list[tuple[int, int]]:
+    step = max(1, chunk_bytes // element_size)
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
+
+
+def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any) -> list:
+    """Post every send (tensor, to group rank) and receive (tensor, from group rank), chunked; returns the works.
+    Every rank posts its messages to a peer in the same order, and gloo matches a pair's messages in order."""
+    works = []
+    for tensors, post in ((sends, dist.isend), (recvs, dist.irecv)):
+        for tensor, peer in tensors:
+            for a, b in _chunks(tensor.numel(), tensor.element_size(), GLOO_P2P_CHUNK_BYTES):
+                peer_arg = {"group_dst": peer} if post is dist.isend else {"group_src": peer}
+                works.append(post(tensor[a:b], group=group, **peer_arg))
+    return works
+
+
+def _peers(group: Any) -> tuple[int, int, list[int]]:
+    """This rank, the world size, and the other ranks starting after this one (so that not every rank sends
+    to rank 0 first)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return rank, size, [(rank + k) % size for k in range(1, size)]
 
 
 def all_reduce_sum(buffer: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:
@@ -86,12 +110,21 @@ def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Any, stat
     if _alone(group):
         shard.copy_(full)
         return None
+    stats.add("reduce_scatter", full.numel())
     if _on_gloo(group):
-        rank = dist.get_rank(group)
-        work = all_reduce_sum(full, group, stats, async_op=True)
-        pending = Pending([work], lambda: shard.copy_(full[rank * shard.numel() : (rank + 1) * shard.numel()]))
+        rank, _, peers = _peers(group)
+        n = shard.numel()
+        received = torch.empty((len(peers), n), dtype=full.dtype, device=full.device)
+        works = _exchange([(full[p * n : (p + 1) * n], p) for p in peers],
+                          [(received[i], p) for i, p in enumerate(peers)], group)
+
+        def add_received() -> None:
+            shard.copy_(full[rank * n : (rank + 1) * n])
+            for i in sorted(range(len(peers)), key=lambda i: peers[i]):  # in rank order, as a sum should be
+                shard.add_(received[i])
+
+        pending = Pending(works, add_received)
     else:
-        stats.add("reduce_scatter", full.numel())
         pending = Pending([dist.reduce_scatter_single(shard, full, group=group, async_op=True)])
     if not async_op:
         pending.wait()
@@ -99,21 +132,23 @@ def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Any, stat
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:
-    """Concatenate every rank's `shard` into `full`."""
+    """Concatenate every rank's `shard` into `full`. `shard` may be this rank's own place in `full`."""
+    n = shard.numel()
     if _alone(group):
-        full.copy_(shard)
+        if shard.data_ptr() != full.data_ptr():
+            full.copy_(shard)
         return None
     stats.add("all_gather", full.numel())
-    size, n = dist.get_world_size(group), shard.numel()
-    if _on_gloo(group) and full.numel() * full.element_size() > GLOO_CHUNK_BYTES:
-        # Chunk by chunk, each rank's piece of a chunk lands straight in its place in `full`.
-        works = []
-        for a, b in _chunks(n, shard.element_size() * size):
-            outputs = [full[r * n + a : r * n + b] for r in range(size)]
-            works.append(dist.all_gather(outputs, shard[a:b], group=group, async_op=True))
-        pending = Pending(works)
+    rank, _, peers = _peers(group)
+    own = full[rank * n : (rank + 1) * n]
+    if _on_gloo(group):
+        # Each rank's shard lands straight in its place in `full`.
+        if shard.data_ptr() != own.data_ptr():
+            own.copy_(shard)
+        pending = Pending(_exchange([(own, p) for p in peers], [(full[p * n : (p + 1) * n], p) for p in peers], group))
     else:
-        pending = Pending([dist.all_gather_single(full, shard, group=group, async_op=True)])
+        source = shard.clone() if shard.data_ptr() == own.data_ptr() else shard  # no aliasing for the backend
+        pending = Pending([dist.all_gather_single(full, source, group=group, async_op=True)])
     if not async_op:
         pending.wait()
     return pending

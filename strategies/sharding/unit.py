@@ -172,7 +172,7 @@ class ShardUnit:
     def gather_replicas_after_step(self) -> Work:
         """zero1/zero2: every rank updated its slice of the replicated parameters; start sharing them."""
         lo, hi = self.layout.shard_range(self.rank)
-        return all_gather(self.full_flat, self.full_flat[lo:hi].clone(), self.group, self.stats, async_op=True)
+        return all_gather(self.full_flat, self.full_flat[lo:hi], self.group, self.stats, async_op=True)
 
     # ---- gradients ----------------------------------------------------------------------------------
     def reset_backward_state(self) -> None:
