@@ -98,19 +98,21 @@ def body_communication_per_step(accumulate: int) -> dict[str, tuple[dict[str, in
 def test_communication_per_step_matches_theory(rank_pool, accumulate):
     """Per optimizer step and rank, with P the padded parameter elements: ddp all-reduces 2P; zero1 all-reduces
     2P and all-gathers the updated P; zero2 reduces its gradients every micro-batch and all-gathers P; fsdp
-    all-gathers every wrapped unit twice (forward, then again for backward since it was resharded) and the root
-    unit once (it stays unsharded from the start of forward to the end of backward, as in FSDP2), and reduces
+    all-gathers every wrapped unit twice (forward, then again for backward since it was resharded) except the
+    root unit (it stays unsharded from the start of forward to the end of backward, as in FSDP2) and the last
+    unit of the forward (its backward comes first, so it is kept), which are gathered once, and reduces
     its gradients every micro-batch. Under no_sync (accumulation) ddp and zero1 do not communicate. A sharded
     gradient reduction is a reduce-scatter of P (on gloo made of point-to-point messages)."""
     for elements in rank_pool(2).run(body_communication_per_step, accumulate):
         assert set(elements) == set(SPECS)
         for name, (sent, sizes) in elements.items():
             P = sum(sizes.values())
+            gathered_once = sizes.get("", 0) + sizes.get("blocks.1", 0)  # fsdp's root and last unit in forward
             expected = {
                 "ddp": {"all_reduce": 2 * P},
                 "zero1": {"all_reduce": 2 * P, "all_gather": P},
                 "zero2": {"reduce_scatter": accumulate * P, "all_gather": P},
-                "fsdp": {"all_gather": accumulate * (2 * P - sizes.get("", 0)), "reduce_scatter": accumulate * P},
+                "fsdp": {"all_gather": accumulate * (2 * P - gathered_once), "reduce_scatter": accumulate * P},
             }[name]
             assert sent == expected, (name, sizes)
         fsdp_units = elements["fsdp"][1]

@@ -119,8 +119,9 @@ def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Any, stat
                           [(received[i], p) for i, p in enumerate(peers)], group)
 
         def add_received() -> None:
-            shard.copy_(full[rank * n : (rank + 1) * n])
-            for i in sorted(range(len(peers)), key=lambda i: peers[i]):  # in rank order, as a sum should be
+            order = sorted(range(len(peers)), key=lambda i: peers[i])  # a fixed order: own, then by rank
+            torch.add(full[rank * n : (rank + 1) * n], received[order[0]], out=shard)
+            for i in order[1:]:
                 shard.add_(received[i])
 
         pending = Pending(works, add_received)

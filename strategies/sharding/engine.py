@@ -189,11 +189,18 @@ class ShardingEngine:
             output = cast_floating(output, unit.input_dtype)
         if self.in_backward:
             return output
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and not self._is_last_in_forward(unit):
             unit.reshard()
         if torch.is_grad_enabled():
             call_before_outputs_grad(output, lambda: self._pre_backward(unit))
         return output
+
+    def _is_last_in_forward(self, unit: ShardUnit) -> bool:
+        """Whether `unit` just ran as the last unit of the forward (by the previous step's order). Backward
+        starts with it, so it stays gathered instead of being freed and gathered again (when a backward comes;
+        otherwise the next optimizer step or evaluation reshards it)."""
+        order, last = self._forward_order, self._last_forward_order
+        return torch.is_grad_enabled() and len(order) == len(last) > 0 and order[-1] is unit is last[-1]
 
     def _prefetch(self, units: list[ShardUnit]) -> None:
         for unit in units:
