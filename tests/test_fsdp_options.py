@@ -308,22 +308,22 @@ class Recorder:
         self.reduce: list[torch.dtype] = []
 
     def __enter__(self) -> Recorder:
-        self.block_forward, self.reduce_scatter = Block.forward, unit_module.reduce_scatter_sum
+        self.block_forward, self.reduce_scatter = Block.forward, unit_module.reduce_scatter_parts
 
         def forward(block, x):
             weight = block.l1.weight
             self.forward.append((weight.dtype, x.dtype, bool(weight.abs().sum() > 0)))
             return self.block_forward(block, x)
 
-        def reduce_scatter(shard, full, *args, **kwargs):
-            self.reduce.append(full.dtype)
-            return self.reduce_scatter(shard, full, *args, **kwargs)
+        def reduce_scatter(shard, parts, *args, **kwargs):
+            self.reduce.append(parts[0][0].dtype)
+            return self.reduce_scatter(shard, parts, *args, **kwargs)
 
-        Block.forward, unit_module.reduce_scatter_sum = forward, reduce_scatter
+        Block.forward, unit_module.reduce_scatter_parts = forward, reduce_scatter
         return self
 
     def __exit__(self, *exc) -> None:
-        Block.forward, unit_module.reduce_scatter_sum = self.block_forward, self.reduce_scatter
+        Block.forward, unit_module.reduce_scatter_parts = self.block_forward, self.reduce_scatter
 
 
 MIXED = {

@@ -68,8 +68,8 @@ def _on_gloo(group: Any) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _chunks(numel: int, element_size: int, chunk_bytes: int = GLOO_CHUNK_BYTES) -> list[tuple[int, int]]:
-    step = max(1, chunk_bytes // element_size)
+def _chunks(numel: int, element_size: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
+    step = max(1, (chunk_bytes or GLOO_CHUNK_BYTES) // element_size)
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 
@@ -106,30 +106,49 @@ def all_reduce_sum(buffer: torch.Tensor, group: Any, stats: CommStats, async_op:
 
 
 def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:
-    """Sum `full` across ranks and leave this rank's slice in `shard` (`full` may be overwritten)."""
+    """Sum `full` across ranks and leave this rank's slice in `shard`."""
+    n = shard.numel()
+    return reduce_scatter_parts(shard, [[full[r * n : (r + 1) * n]] for r in range(full.numel() // n)], group,
+                                stats, async_op)
+
+
+def reduce_scatter_parts(
+    shard: torch.Tensor, parts: list[list[torch.Tensor]], group: Any, stats: CommStats, async_op: bool
+) -> Work:
+    """A reduce-scatter whose input is given in parts: `parts[r]` are tensors that, flattened and concatenated,
+    make rank r's slice (as long as `shard`). On gloo each part is sent as it is, so a unit's gradients need not
+    be copied into one flat buffer first; elsewhere they are concatenated for the backend's reduce-scatter."""
     if _alone(group):
-        shard.copy_(full)
+        torch.cat([t.reshape(-1) for t in parts[0]], out=shard)
         return None
-    stats.add("reduce_scatter", full.numel())
-    if _on_gloo(group):
-        rank, _, peers = _peers(group)
-        n = shard.numel()
-        received = torch.empty((len(peers), n), dtype=full.dtype, device=full.device)
-        works = _exchange([(full[p * n : (p + 1) * n], p) for p in peers],
-                          [(received[i], p) for i, p in enumerate(peers)], group)
-
-        def add_received() -> None:
-            order = sorted(range(len(peers)), key=lambda i: peers[i])  # a fixed order: own, then by rank
-            torch.add(full[rank * n : (rank + 1) * n], received[order[0]], out=shard)
-            for i in order[1:]:
-                shard.add_(received[i])
-
-        pending = Pending(works, add_received)
-    else:
+    n = shard.numel()
+    stats.add("reduce_scatter", n * len(parts))
+    if not _on_gloo(group):
+        full = torch.cat([t.reshape(-1) for rank_parts in parts for t in rank_parts])
         pending = Pending([dist.reduce_scatter_single(shard, full, group=group, async_op=True)])
+    else:
+        pending = _gloo_reduce_scatter(shard, parts, group)
     if not async_op:
         pending.wait()
     return pending
+
+
+def _gloo_reduce_scatter(shard: torch.Tensor, parts: list[list[torch.Tensor]], group: Any) -> Pending:
+    rank, _, peers = _peers(group)
+    received = torch.empty((len(peers), shard.numel()), dtype=shard.dtype, device=shard.device)
+    own = [t.reshape(-1) for t in parts[rank]]
+    sizes = [t.numel() for t in own]  # every rank splits rank r's slice alike, so messages pair up
+    sends = [(t.reshape(-1), p) for p in peers for t in parts[p]]
+    recvs = [(piece, p) for i, p in enumerate(peers) for piece in torch.split(received[i], sizes)]
+
+    def add_received() -> None:
+        order = sorted(range(len(peers)), key=lambda i: peers[i])  # a fixed order: own, then by rank
+        for t, out, first in zip(own, torch.split(shard, sizes), torch.split(received[order[0]], sizes)):
+            torch.add(t, first, out=out)
+        for i in order[1:]:
+            shard.add_(received[i])
+
+    return Pending(_exchange(sends, recvs, group), add_received)
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:

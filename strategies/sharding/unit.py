@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .collectives import CommStats, Work, all_gather, all_reduce_sum, reduce_scatter_sum, wait
+from .collectives import CommStats, Work, all_gather, all_reduce_sum, reduce_scatter_parts, wait
 from .layout import FlatLayout, Piece
 from .spec import ShardingSpec, UnitOptions
 
@@ -108,6 +108,7 @@ class ShardUnit:
         else:
             self.shard_grad = self.grad_flat[lo:hi] if self.grad_flat is not None else None
         self.pieces = self.layout.pieces(self.rank)
+        self._pieces_by_rank = [self.layout.pieces(r) for r in range(self.world_size)]
         for piece in self.pieces:
             trainable = self.trainable[piece.param_index]
             shard = nn.Parameter(
@@ -177,28 +178,16 @@ class ShardUnit:
     # ---- gradients ----------------------------------------------------------------------------------
     def reset_backward_state(self) -> None:
         self.ready_count = 0
-        self.written = [False] * len(self.params)
         self.grads_ready = not self.has_trainable
         self.backward_started = False
         self.input_grad_done = False
         self.inputs_need_grad = False
 
     def on_grad_ready(self, index: int) -> bool:
-        """Move a freshly accumulated gradient into the unit's buffer; True when the unit's last one arrived."""
+        """A gradient was accumulated into `.grad`; True when the unit's last one arrived. Replicated gradients
+        live in the unit's flat buffer; sharded ones stay in `.grad` until the reduction has sent them."""
         p = self.params[index]
-        if self.spec.shard_gradients:
-            if self.grad_flat is None:
-                self.grad_flat = torch.empty(self.layout.padded_total, dtype=self.reduce_dtype, device=self.device)
-            offset, n = self.layout.offsets[index], self.layout.numels[index]
-            target = self.grad_flat[offset : offset + n].view_as(p)
-            # The buffer is not zero-filled: a gradient's first arrival is copied, the rest is zeroed at launch.
-            if self.written[index]:
-                target.add_(p.grad)
-            else:
-                target.copy_(p.grad)
-            self.written[index] = True
-            p.grad = None
-        else:
+        if not self.spec.shard_gradients:
             view = self.grad_flat[
                 self.layout.offsets[index] : self.layout.offsets[index] + p.numel()
             ].view_as(p)
@@ -208,25 +197,33 @@ class ShardUnit:
         self.ready_count += 1
         return self.ready_count == sum(self.trainable)
 
-    def _zero_unwritten_gradients(self) -> None:
-        """Zero the parts of the reduce buffer no gradient arrived for (unused or frozen parameters, padding)."""
-        if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.layout.padded_total, dtype=self.reduce_dtype, device=self.device)
-            return
-        for offset, n, written in zip(self.layout.offsets, self.layout.numels, self.written):
-            if not written:
-                self.grad_flat[offset : offset + n].zero_()
-        self.grad_flat[self.layout.total :].zero_()
+    def _gradient_parts(self) -> list[list[torch.Tensor]]:
+        """Rank r's slice of the unit's padded flat gradient as tensors that concatenate to it: pieces of the
+        parameters' `.grad` (in the reduce dtype), zeros where a parameter has none and for the padding."""
+        parts = []
+        for pieces in self._pieces_by_rank:
+            rank_parts = []
+            for piece in pieces:
+                grad = self.params[piece.param_index].grad
+                if grad is None:
+                    rank_parts.append(torch.zeros(piece.numel, dtype=self.reduce_dtype, device=self.device))
+                else:
+                    rank_parts.append(grad.reshape(-1)[piece.start : piece.end].to(self.reduce_dtype))
+            filled = sum(piece.numel for piece in pieces)
+            if filled < self.layout.shard_size:
+                rank_parts.append(torch.zeros(self.layout.shard_size - filled, dtype=self.reduce_dtype,
+                                              device=self.device))
+            parts.append(rank_parts)
+        return parts
 
     def launch_reduce(self, sync: bool) -> None:
         """Start averaging this unit's gradients across ranks (or skip it under no_sync)."""
         if not self.has_trainable or not sync:
             return
         if self.spec.shard_gradients:
-            self._zero_unwritten_gradients()
             self._reduce_output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
-            self._reduce_work = reduce_scatter_sum(
-                self._reduce_output, self.grad_flat, self.group, self.stats, async_op=True
+            self._reduce_work = reduce_scatter_parts(
+                self._reduce_output, self._gradient_parts(), self.group, self.stats, async_op=True
             )
         else:
             self._reduce_work = all_reduce_sum(self.grad_flat, self.group, self.stats, async_op=True)
@@ -241,7 +238,8 @@ class ShardUnit:
             reduced = self._reduce_output.to(self.shard_device, self.shard_grad.dtype, non_blocking=True)
             self.shard_grad.add_(reduced, alpha=1.0 / self.world_size)
             self._reduce_output = None
-            self.grad_flat = None
+            for p in self.params:
+                p.grad = None
         else:
             self.grad_flat.div_(self.world_size)
 
