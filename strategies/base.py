@@ -126,11 +126,8 @@ class Strategy:
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
-        return [
-            u.shard_grad if self.spec.shard_optimizer_state else u.grad_flat
-            for u in self.engine.units
-            if u.has_trainable
-        ]
+        grads = [u.shard_grad if self.spec.shard_optimizer_state else u.grad_flat for u in self.engine.units]
+        return [g for g in grads if g is not None]
 
     # ---- state --------------------------------------------------------------------------------------
     def model_state_pieces(self) -> dict[str, Any]:

@@ -423,19 +423,31 @@ class SaveOnCpuCounter:
         torch.autograd.graph.save_on_cpu = self.original
 
 
+class GradientDevices(Callback):
+    """The devices of the sharded gradients as the optimizer is about to step (they are freed by zero_grad)."""
+
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        self.devices |= {u.shard_grad.device.type for u in trainer.strategy.engine.units}
+
+
 def body_offload() -> dict:
     out = {}
     for name, options in {"plain": {}, "cpu_offload": {"cpu_offload": True},
                           "activation_offload": {"activation_offload": True}}.items():
+        gradients = GradientDevices()
         with SaveOnCpuCounter() as counter:
             strategy = FSDPStrategy(auto_wrap_policy={Block}, **options)
-            trainer = fit(new_model(optimizer="adamw"), strategy, dist.get_world_size(), PER_RANK_BATCH)
+            trainer = fit(new_model(optimizer="adamw"), strategy, dist.get_world_size(), PER_RANK_BATCH,
+                          callbacks=[gradients])
         units = trainer.strategy.engine.units
         optimizer = trainer.optimizers[0]
         out[name] = {
             "full": trainer.strategy.full_state_dict(),
             "packed": counter.packed,
-            "devices": {t.device.type for u in units for t in (u.master, u.shard_grad)}
+            "devices": {u.master.device.type for u in units} | gradients.devices
             | {v.device.type for s in optimizer.state.values() for v in s.values() if v.dim() > 0},
             "shard_devices": {u.shard_device.type for u in units},
             "offload_option": trainer.strategy.engine.unit_options.offload_to_cpu,

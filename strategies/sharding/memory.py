@@ -13,8 +13,9 @@ def _nbytes(t) -> int:
 
 
 def memory_report(engine: ShardingEngine) -> dict[str, int]:
-    """Per-rank bytes: parameters, gradients, optimizer state, unsharded buffers in flight, padding, and the
-    process's peak resident memory (an independent measurement)."""
+    """Per-rank bytes: parameters, gradients (sharded ones at the size they have from backward to zero_grad),
+    optimizer state, unsharded buffers in flight, padding, and the process's peak resident memory (an
+    independent measurement)."""
     report = dict.fromkeys(["parameters", "gradients", "unsharded_in_flight", "padding"], 0)
     for unit in engine.units:
         pad = unit.layout.padding * unit.full_flat.element_size()
@@ -25,8 +26,9 @@ def memory_report(engine: ShardingEngine) -> dict[str, int]:
             pad //= engine.world_size
         else:
             report["parameters"] += _nbytes(unit.full_flat)
-        if engine.spec.shard_gradients:
-            report["gradients"] += _nbytes(unit.shard_grad)
+        if engine.spec.shard_gradients and unit.has_trainable:
+            # The gradient shard exists from the first reduction of a step until zero_grad; counted at that size.
+            report["gradients"] += unit.layout.shard_size * unit.master.element_size()
         else:
             report["gradients"] += _nbytes(unit.grad_flat)
         report["padding"] += pad

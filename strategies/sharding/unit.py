@@ -104,7 +104,7 @@ class ShardUnit:
             return
         lo, hi = self.layout.shard_range(self.rank)
         if self.spec.shard_gradients:
-            self.shard_grad = torch.zeros_like(self.master)
+            self.shard_grad = None  # made by the first reduction after zero_grad, freed by zero_grad
         else:
             self.shard_grad = self.grad_flat[lo:hi] if self.grad_flat is not None else None
         self.pieces = self.layout.pieces(self.rank)
@@ -118,12 +118,14 @@ class ShardUnit:
         self.attach_shard_grads()
 
     def attach_shard_grads(self) -> None:
-        """(Re)point each trainable shard parameter's .grad at its slice of the shard gradient."""
+        """(Re)point each trainable shard parameter's .grad at its slice of the shard gradient (None when there
+        is none: the optimizer then skips the parameter)."""
         for piece in self.pieces:
             if self.trainable[piece.param_index]:
-                self.shard_params[piece.param_index].grad = self.shard_grad[
-                    piece.shard_offset : piece.shard_offset + piece.numel
-                ]
+                grad = self.shard_grad
+                self.shard_params[piece.param_index].grad = (
+                    None if grad is None else grad[piece.shard_offset : piece.shard_offset + piece.numel]
+                )
 
     # ---- parameters: unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -235,8 +237,11 @@ class ShardUnit:
         wait(self._reduce_work)
         self._reduce_work = None
         if self.spec.shard_gradients:
-            reduced = self._reduce_output.to(self.shard_device, self.shard_grad.dtype, non_blocking=True)
-            self.shard_grad.add_(reduced, alpha=1.0 / self.world_size)
+            reduced = self._reduce_output.to(self.shard_device, self.master.dtype, non_blocking=True)
+            if self.shard_grad is None:  # the first since zero_grad: the averaged output becomes the gradient
+                self.shard_grad = reduced.mul_(1.0 / self.world_size)
+            else:
+                self.shard_grad.add_(reduced, alpha=1.0 / self.world_size)
             self._reduce_output = None
             for p in self.params:
                 p.grad = None
@@ -245,7 +250,7 @@ class ShardUnit:
 
     def zero_grad(self) -> None:
         if self.spec.shard_gradients:
-            self.shard_grad.zero_()
+            self.shard_grad = None  # as torch's zero_grad(set_to_none=True): no memory held between steps
         elif self.grad_flat is not None:
             self.grad_flat.zero_()
             self._attach_grad_views()
