@@ -134,19 +134,21 @@ def reduce_scatter_parts(
 
 
 def _gloo_reduce_scatter(shard: torch.Tensor, parts: list[list[torch.Tensor]], group: Any) -> Pending:
+    """The first peer's slice is received straight into `shard`, the others' into a buffer; the own parts are
+    added once everything has arrived (a fixed order on every rank: first peer, own, other peers by rank)."""
     rank, _, peers = _peers(group)
-    received = torch.empty((len(peers), shard.numel()), dtype=shard.dtype, device=shard.device)
     own = [t.reshape(-1) for t in parts[rank]]
     sizes = [t.numel() for t in own]  # every rank splits rank r's slice alike, so messages pair up
+    others = torch.empty((len(peers) - 1, shard.numel()), dtype=shard.dtype, device=shard.device)
+    targets = [shard, *others]
     sends = [(t.reshape(-1), p) for p in peers for t in parts[p]]
-    recvs = [(piece, p) for i, p in enumerate(peers) for piece in torch.split(received[i], sizes)]
+    recvs = [(piece, p) for target, p in zip(targets, sorted(peers)) for piece in torch.split(target, sizes)]
 
     def add_received() -> None:
-        order = sorted(range(len(peers)), key=lambda i: peers[i])  # a fixed order: own, then by rank
-        for t, out, first in zip(own, torch.split(shard, sizes), torch.split(received[order[0]], sizes)):
-            torch.add(t, first, out=out)
-        for i in order[1:]:
-            shard.add_(received[i])
+        for t, out in zip(own, torch.split(shard, sizes)):
+            out.add_(t)
+        for other in others:
+            shard.add_(other)
 
     return Pending(_exchange(sends, recvs, group), add_received)
 

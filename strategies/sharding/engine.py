@@ -24,7 +24,7 @@ from .units import assign_to_units, gradient_buckets, policy_modules
 
 WrapPolicy = Callable[[nn.Module, str], bool]
 NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-REDUCTIONS_IN_FLIGHT = 2  # sharded-gradient reductions allowed to overlap backward before the oldest is awaited
+REDUCTIONS_IN_FLIGHT = 1  # sharded-gradient reductions allowed to overlap backward before the oldest is awaited
 
 
 class ShardingEngine:
