@@ -142,14 +142,7 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
         strategy.zero_grad(opt)
         return loss.detach()
 
-    def close() -> None:
-        # The engine's post-accumulate-grad hooks close over the engine and are held from C++, a cycle the
-        # garbage collector cannot see: without this every variant's model and buffers would stay alive.
-        for p in model.parameters():
-            getattr(p, "_post_accumulate_grad_hooks", None) and p._post_accumulate_grad_hooks.clear()
-        strategy.teardown()
-
-    return step, strategy.engine, close
+    return step, strategy.engine, strategy.teardown
 
 
 def _plain_step(wrapped, model, opt):

@@ -195,6 +195,9 @@ class Strategy:
         return memory_report(self.engine)
 
     def teardown(self) -> None:
+        """Detach the engine from the module (see ShardingEngine.remove_hooks) and drop it."""
+        if self.engine is not None:
+            self.engine.remove_hooks()
         self.engine = None
 
     def __repr__(self) -> str:

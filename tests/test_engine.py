@@ -7,7 +7,9 @@ engine has no process group (world size 1).
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -574,3 +576,39 @@ def body_gloo_collectives_in_chunks() -> tuple[bool, bool, bool, bool]:
 def test_gloo_all_gather_and_reduce_scatter_by_point_to_point_messages_are_exact(rank_pool):
     for world_size in (2, 3):
         assert rank_pool(world_size).run(body_gloo_collectives_in_chunks) == [(True, True, True, True)] * world_size
+
+
+# --------------------------------------------------------------- lifetime
+
+
+def body_dropped_engine_is_freed(strategy: str) -> list:
+    model = new_model()
+    engine = engine_for(model, strategy)
+    opt = engine.setup_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    x, y = rank_batch(0)
+    engine.backward(engine.root_call(lm_loss, model, x, y))
+    engine.step(opt)
+    refs = [weakref.ref(model), weakref.ref(engine)]
+    del model, engine, opt
+    gc.collect()
+    return [ref() for ref in refs]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_dropped_model_and_its_engine_are_freed(rank_pool, strategy):
+    """The engine's gradient hooks live on the parameters (held from C++, out of the garbage collector's
+    sight), so they must not keep the engine, and through it the model and its buffers, alive."""
+    assert rank_pool(2).run(body_dropped_engine_is_freed, strategy) == [[None, None]] * 2
+
+
+def body_remove_hooks() -> int:
+    model = new_model()
+    engine = engine_for(model, "ddp")
+    engine.remove_hooks()
+    x, y = rank_batch(0)
+    lm_loss(model, x, y).backward()
+    return engine.units[0].ready_count
+
+
+def test_remove_hooks_detaches_the_engine(rank_pool):
+    assert rank_pool(2).run(body_remove_hooks) == [0, 0]  # no gradient hook ran

@@ -7,6 +7,8 @@ FSDP full shard (units all-gathered around their forward and backward).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -62,6 +64,7 @@ class ShardingEngine:
         self._last_forward_order: list[ShardUnit] = []
         if meta_ids or has_meta_buffers(module):
             materialize(module, meta_ids, self.device, self._write_full_parameter, group)
+        self._hooks: list[Any] = []  # removable handles of every hook the engine put on the model
         self._register_grad_hooks()
         if spec.shard_parameters:
             self._register_module_hooks()
@@ -134,21 +137,32 @@ class ShardingEngine:
         )
 
     def _register_grad_hooks(self) -> None:
-        for unit in self.units:
+        # A tensor's hooks are held from C++, where the garbage collector cannot see a cycle through them, so
+        # they reach the engine through a weak reference: a model and engine that are dropped are freed.
+        engine = weakref.ref(self)
+        for unit_index, unit in enumerate(self.units):
             for index, p in enumerate(unit.params):
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(
-                        lambda _p, unit=unit, index=index: self._on_grad_ready(unit, index)
-                    )
+                    hook = functools.partial(_on_grad_ready, engine, unit_index, index)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def _register_module_hooks(self) -> None:
         for unit in self.units:
             if unit.module is self.module:
                 continue  # the root is driven by root_call, not by its forward
-            unit.module.register_forward_pre_hook(
+            self._hooks.append(unit.module.register_forward_pre_hook(
                 lambda _m, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs), with_kwargs=True
-            )
-            unit.module.register_forward_hook(lambda _m, _args, out, unit=unit: self._post_forward(unit, out))
+            ))
+            self._hooks.append(unit.module.register_forward_hook(
+                lambda _m, _args, out, unit=unit: self._post_forward(unit, out)
+            ))
+
+    def remove_hooks(self) -> None:
+        """Detach the engine from the model: after this the model's forward and backward are plain again
+        (its parameters keep their current values; under fsdp call it with the parameters gathered)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     # ---- forward ------------------------------------------------------------------------------------
     def root_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -362,3 +376,9 @@ class ShardingEngine:
 
     def unit_of(self, param: nn.Parameter) -> tuple[ShardUnit, int]:
         return self._unit_of_param[id(param)]
+
+
+def _on_grad_ready(engine: weakref.ref, unit_index: int, index: int, _param: torch.Tensor) -> None:
+    live = engine()
+    if live is not None:
+        live._on_grad_ready(live.units[unit_index], index)
