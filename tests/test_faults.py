@@ -126,11 +126,12 @@ def test_a_killed_rank_ends_every_rank_within_seconds(jobs):
     _assert_no_survivors(job.workdir)
 
 
-def test_a_hanging_rank_makes_the_others_fail_at_the_timeout_naming_the_step(jobs):
+def test_a_hanging_rank_makes_the_others_fail_at_the_timeout_naming_the_step_and_unit(jobs):
     job = jobs["hangs"]
     code, _, err = job.result(timeout=150)
     assert code != 0
     assert "rank 0 failed at global step 2, epoch 0, batch 2: " in err and "Timed out" in err, err[-3000:]
+    assert re.search(r"batch 2: all-gather of the parameters of unit '[^']+': ", err), err[-3000:]  # the unit
     assert TIMEOUT - 0.5 < _seconds(job.workdir, "fault_at", "failed_at.rank0") < TIMEOUT + 5
     _assert_no_survivors(job.workdir)
 

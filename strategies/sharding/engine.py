@@ -353,8 +353,10 @@ class ShardingEngine:
             for unit in self.units:
                 unit.reshard()
         elif self.spec.shard_optimizer_state:
-            for work in [unit.gather_replicas_after_step() for unit in self.units]:  # all in flight at once
-                wait(work)
+            works = [unit.gather_replicas_after_step() for unit in self.units]  # all in flight at once
+            for unit, work in zip(self.units, works):
+                with unit.naming_failures("all-gather of the updated parameters"):
+                    wait(work)
 
     # ---- parameters in full -------------------------------------------------------------------------
     def iter_full_parameters(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:

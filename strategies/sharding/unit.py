@@ -8,10 +8,13 @@ slice of both as the tensors the optimizer steps.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .collectives import CommStats, Work, all_gather, all_reduce_sum, reduce_scatter_parts, wait
@@ -127,6 +130,16 @@ class ShardUnit:
                     None if grad is None else grad[piece.shard_offset : piece.shard_offset + piece.numel]
                 )
 
+    @contextmanager
+    def naming_failures(self, what: str) -> Iterator[None]:
+        """A collective of this unit that fails (a timeout, a dead peer) says which unit and what it was."""
+        try:
+            yield
+        except RuntimeError as error:
+            if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
+                raise  # not from a collective (torch.OutOfMemoryError, ...)
+            raise type(error)(f"{what} of unit {self.name or '<root>'!r}: {error}") from error
+
     # ---- parameters: unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         if self.state is not ParamState.SHARDED:
@@ -142,7 +155,8 @@ class ShardUnit:
 
     def wait_unshard(self) -> None:
         if self.state is ParamState.UNSHARDING:
-            wait(self._gather_work)
+            with self.naming_failures("all-gather of the parameters"):
+                wait(self._gather_work)
             self._gather_work = None
             for view, p in zip(self.layout.views(self.full_flat), self.params):
                 p.data = view
@@ -234,7 +248,8 @@ class ShardUnit:
         """Wait for the reduction and leave the averaged gradient where the optimizer reads it."""
         if self._reduce_work is None:
             return
-        wait(self._reduce_work)
+        with self.naming_failures("gradient reduction"):
+            wait(self._reduce_work)
         self._reduce_work = None
         if self.spec.shard_gradients:
             reduced = self._reduce_output.to(self.shard_device, self.master.dtype, non_blocking=True)
@@ -272,5 +287,6 @@ class ShardUnit:
     def gather_full_master(self) -> torch.Tensor:
         """fsdp: every rank's master slice gathered into a new full-precision flat tensor (for state dicts)."""
         full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
-        all_gather(full, self.master.to(self.device), self.group, self.stats, async_op=False)
+        with self.naming_failures("all-gather of the full parameters"):
+            all_gather(full, self.master.to(self.device), self.group, self.stats, async_op=False)
         return full
