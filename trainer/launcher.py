@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import faulthandler
 import os
 import signal
 import socket
@@ -101,7 +102,15 @@ def launch_local_ranks(num_ranks: int) -> ClusterEnvironment:
         child_env = {**os.environ, **env.to_environ(), _PARENT_PID_VAR: str(os.getpid())}
         children[env.rank] = subprocess.Popen(command, env=child_env, start_new_session=True)
     _Supervisor(children).start()
+    _report_fatal_signals()
     return envs[0]
+
+
+def _report_fatal_signals() -> None:
+    """A rank ended by a fatal signal (an abort inside a communication library as a peer vanishes, say) prints
+    every thread's Python stack first instead of disappearing silently."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
 
 
 def init_process_group(env: ClusterEnvironment, backend: str, timeout: datetime.timedelta) -> bool:
@@ -263,3 +272,4 @@ def _log(message: str) -> None:
 
 if _PARENT_PID_VAR in os.environ:
     _watch_parent()
+    _report_fatal_signals()
