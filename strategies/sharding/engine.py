@@ -341,8 +341,9 @@ class ShardingEngine:
         return total
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.spec.shard_optimizer_state:
-            for unit in self.units:
+        for unit in self.units:
+            unit.clear_stale_gradients()
+            if self.spec.shard_optimizer_state:
                 unit.attach_shard_grads()
         optimizer.step()
         self.after_parameters_changed()

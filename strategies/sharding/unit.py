@@ -88,16 +88,31 @@ class ShardUnit:
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
 
     def _build_gradient_buffers(self) -> None:
+        """Replicated gradients live in one flat buffer per unit (the bucket that is all-reduced), each
+        parameter's .grad a view of it. Since zero_grad, a region of the bucket is "fresh" (holds this step's
+        gradient), "stale" (last step's) or "zero": the first gradient of a step is copied over a stale region
+        instead of zero-filling the whole bucket every step and adding to it."""
         self.has_trainable = any(self.trainable)
         self.grad_flat: torch.Tensor | None = None
         if self.has_trainable and not self.spec.shard_gradients:
             self.grad_flat = torch.zeros_like(self.full_flat)
+            self._grad_views = self.layout.views(self.grad_flat)
+            self._grad_regions = ["zero"] * len(self.params)
             self._attach_grad_views()
 
     def _attach_grad_views(self) -> None:
-        for view, p, trainable in zip(self.layout.views(self.grad_flat), self.params, self.trainable):
+        for view, p, trainable in zip(self._grad_views, self.params, self.trainable):
             if trainable:
                 p.grad = view
+
+    def clear_stale_gradients(self) -> None:
+        """Zero the bucket regions that got no gradient this step, before the bucket is reduced or read."""
+        if self.grad_flat is None:
+            return
+        for index, region in enumerate(self._grad_regions):
+            if region == "stale":
+                self._grad_views[index].zero_()
+                self._grad_regions[index] = "zero"
 
     def _build_optimizer_shard(self) -> None:
         """This rank's slice of the parameters (fp32 master) and gradients, as the optimizer sees them."""
@@ -204,12 +219,14 @@ class ShardUnit:
         live in the unit's flat buffer; sharded ones stay in `.grad` until the reduction has sent them."""
         p = self.params[index]
         if not self.spec.shard_gradients:
-            view = self.grad_flat[
-                self.layout.offsets[index] : self.layout.offsets[index] + p.numel()
-            ].view_as(p)
-            if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
-                view.add_(p.grad)  # someone replaced .grad (e.g. zero_grad(set_to_none=True)); re-adopt it
+            view = self._grad_views[index]
+            if p.grad.data_ptr() != view.data_ptr():  # autograd's own tensor: move it into the bucket
+                if self._grad_regions[index] == "fresh":
+                    view.add_(p.grad)
+                else:
+                    view.copy_(p.grad)
                 p.grad = view
+            self._grad_regions[index] = "fresh"
         self.ready_count += 1
         return self.ready_count == sum(self.trainable)
 
@@ -236,6 +253,7 @@ class ShardUnit:
         """Start averaging this unit's gradients across ranks (or skip it under no_sync)."""
         if not self.has_trainable or not sync:
             return
+        self.clear_stale_gradients()
         if self.spec.shard_gradients:
             self._reduce_output = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
             self._reduce_work = reduce_scatter_parts(
@@ -262,18 +280,22 @@ class ShardUnit:
                 p.grad = None
         else:
             self.grad_flat.div_(self.world_size)
+            self._attach_grad_views()  # a parameter unused here may have been used on another rank
 
     def zero_grad(self) -> None:
         if self.spec.shard_gradients:
             self.shard_grad = None  # as torch's zero_grad(set_to_none=True): no memory held between steps
-        elif self.grad_flat is not None:
-            self.grad_flat.zero_()
-            self._attach_grad_views()
+        elif self.grad_flat is not None:  # as torch's zero_grad(set_to_none=True); the bucket is kept
+            for index, p in enumerate(self.params):
+                p.grad = None
+                if self._grad_regions[index] == "fresh":
+                    self._grad_regions[index] = "stale"
         if self.spec.shard_optimizer_state:
             self.attach_shard_grads()
 
     def local_grad_square_sum(self) -> torch.Tensor:
         """Sum of squared gradient elements this rank is responsible for in a global norm."""
+        self.clear_stale_gradients()
         grad = self.shard_grad if self.spec.shard_optimizer_state else self.grad_flat
         if grad is None:
             return torch.zeros((), dtype=torch.float32, device=self.device)
