@@ -27,6 +27,7 @@ import torch.distributed as dist
 _PARENT_PID_VAR = "TRAINER_LAUNCHER_PARENT_PID"  # set only for the children that launch_local_ranks starts
 _POLL_S = 0.2
 _GRACE_S = 3.0
+_CAUSE_WAIT_S = 1.0  # how long a raising rank 0 looks for a dead child to name as the cause (slow under load)
 _JOIN_TIMEOUT = datetime.timedelta(minutes=5)  # for every rank to start, whatever the collective timeout
 
 
@@ -164,7 +165,8 @@ class _Supervisor:
         def excepthook(*exc_info) -> None:
             previous_hook(*exc_info)
             # rank 0 often raises because a peer died under it: name that rank as the cause
-            causes = "".join(f" after rank {r} {_exit_reason(c)}" for r, c in self._failed_children(_POLL_S).items())
+            failed = self._failed_children(_CAUSE_WAIT_S)
+            causes = "".join(f" after rank {r} {_exit_reason(c)}" for r, c in failed.items())
             _log(f"rank 0 raised{causes}; stopping all ranks")
             self.stop()
 
