@@ -612,3 +612,56 @@ def body_remove_hooks() -> int:
 
 def test_remove_hooks_detaches_the_engine(rank_pool):
     assert rank_pool(2).run(body_remove_hooks) == [0, 0]  # no gradient hook ran
+
+
+# --------------------------------------------------------------- gradients between steps
+
+
+class Branches(nn.Module):
+    """`left` always computes; `right` only where the step asks for it (per rank, per step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = nn.Linear(3, 3)
+        self.right = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, use_right: bool) -> torch.Tensor:
+        x = self.left(x)
+        return self.right(x) if use_right else x
+
+
+def body_gradients_between_steps(strategy: str) -> dict:
+    """Step 1: `right` is used on rank 1 only. Step 2: on no rank. Plain SGD, so a parameter moves by its gradient."""
+    torch.manual_seed(0)
+    model = Branches()
+    engine = ShardingEngine(model, SPECS[strategy])
+    opt = engine.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    rank = dist.get_rank()
+    out = {}
+    for step, use_right in enumerate([rank == 1, False]):
+        x = torch.full((2, 3), float(rank + 1))
+        engine.backward(engine.root_call(lambda x=x, use_right=use_right: model(x, use_right).square().sum()))
+        if strategy in ("ddp", "zero1"):
+            out[f"right_grad{step}"] = model.right.weight.grad.clone()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.step(opt)
+        engine.zero_grad()
+        out[f"moved{step}"] = {n: not torch.equal(before[n], p.detach()) for n, p in model.named_parameters()}
+        out[f"grads_after_zero_grad{step}"] = [p.grad for p in model.parameters()]
+        out[f"weights{step}"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_gradients_of_a_step_never_leak_into_the_next(rank_pool, strategy):
+    """A parameter used on one rank only gets the same averaged gradient on every rank; one used on no rank in a
+    step gets no update from the previous step's gradient; zero_grad leaves no `.grad` (as torch's default)."""
+    rank0, rank1 = rank_pool(2).run(body_gradients_between_steps, strategy)
+    for step in (0, 1):
+        same = [torch.equal(rank0[f"weights{step}"][n], rank1[f"weights{step}"][n]) for n in rank0[f"weights{step}"]]
+        assert all(same), step  # the ranks stay identical
+        assert rank0[f"grads_after_zero_grad{step}"] == [None] * 4
+    if strategy in ("ddp", "zero1"):
+        assert torch.equal(rank0["right_grad0"], rank1["right_grad0"]) and rank0["right_grad0"].abs().sum() > 0
+    assert rank0["moved0"]["right.weight"] and not rank0["moved1"]["right.weight"]  # step 2: no stale gradient
+    assert rank0["moved1"]["left.weight"]

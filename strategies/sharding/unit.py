@@ -280,7 +280,10 @@ class ShardUnit:
                 p.grad = None
         else:
             self.grad_flat.div_(self.world_size)
-            self._attach_grad_views()  # a parameter unused here may have been used on another rank
+            # A parameter unused here may have been used on another rank: every region now holds this step's
+            # averaged gradient, and every parameter gets it.
+            self._grad_regions = ["fresh"] * len(self.params)
+            self._attach_grad_views()
 
     def zero_grad(self) -> None:
         if self.spec.shard_gradients:
