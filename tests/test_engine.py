@@ -643,13 +643,19 @@ def body_gradients_between_steps(strategy: str) -> dict:
         engine.backward(engine.root_call(lambda x=x, use_right=use_right: model(x, use_right).square().sum()))
         if strategy in ("ddp", "zero1"):
             out[f"right_grad{step}"] = model.right.weight.grad.clone()
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        before = full_weights(engine)
         engine.step(opt)
         engine.zero_grad()
-        out[f"moved{step}"] = {n: not torch.equal(before[n], p.detach()) for n, p in model.named_parameters()}
+        after = full_weights(engine)
+        out[f"moved{step}"] = {n: not torch.equal(before[n], after[n]) for n in after}
         out[f"grads_after_zero_grad{step}"] = [p.grad for p in model.parameters()]
-        out[f"weights{step}"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[f"weights{step}"] = after
     return out
+
+
+def full_weights(engine: ShardingEngine) -> dict[str, torch.Tensor]:
+    """Every parameter in full (gathered under fsdp, where the module's own parameters are placeholders)."""
+    return {n: v.clone() for names, views in engine.iter_full_parameters() for n, v in zip(names, views)}
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
