@@ -162,21 +162,32 @@ class Strategy:
     def full_state_dict(self, rank_zero_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict, gathered unit by unit. Collective. Every rank gets it; with
         `rank_zero_only` the other ranks get {} and hold at most one unit at a time."""
-        keep = self.is_global_zero or not rank_zero_only
         out: dict[str, torch.Tensor] = {}
-        for names, views in self.engine.iter_full_parameters():
-            if keep:
-                out.update({n: v.detach().cpu().clone() for n, v in zip(names, views)})
-        if not keep:
+        for part in self.iter_full_state_dict(rank_zero_only):
+            out.update(part)
+        if rank_zero_only and not self.is_global_zero:
             return {}
         for alias, first in self.parameter_aliases().items():
             out[alias] = out[first]
-        params = {id(p) for p in self.engine.module.parameters()}
-        for key, value in self.engine.module.state_dict(keep_vars=True).items():
-            if id(value) not in params and key not in out:
-                out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
         order = list(self.engine.module.state_dict(keep_vars=True))
         return {k: out[k] for k in order}
+
+    def iter_full_state_dict(self, rank_zero_only: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """The unwrapped model's state-dict entries in full, one unit's parameters at a time (under their first
+        name; tied aliases left out), then the other entries (buffers). Collective: every rank must iterate to
+        the end; with `rank_zero_only` the other ranks get empty dicts."""
+        keep = self.is_global_zero or not rank_zero_only
+        for names, views in self.engine.iter_full_parameters():
+            yield {n: v.detach().cpu().clone() for n, v in zip(names, views)} if keep else {}
+        if not keep:
+            return
+        params = {id(p) for p in self.engine.module.parameters()}
+        aliases = self.parameter_aliases()
+        rest = {}
+        for key, value in self.engine.module.state_dict(keep_vars=True).items():
+            if id(value) not in params and key not in aliases:
+                rest[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+        yield rest
 
     def full_state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Shape and dtype of every entry of the unwrapped model's state dict, without gathering anything."""

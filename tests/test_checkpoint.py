@@ -378,11 +378,36 @@ def test_a_full_checkpoint_is_one_file_that_resumes_exactly(rank_pool, tmp_path,
     (optimizer,) = full["optimizers"]
     assert optimizer["class"] == "Adam" and optimizer["param_groups"] == directory["optimizers"][0]["param_groups"]
     assert_states_close(optimizer["state"], directory["optimizers"][0]["state"], atol=0)
+    for in_file, in_directory in zip(full["rng"], directory["rng"]):  # small tensors outside the gathered state
+        assert torch.equal(in_file["torch"], in_directory["torch"]) and in_file["torch"].any()
     for key in ("state", "lr_schedulers", "module_extra"):
         assert full["trainer"][key] == directory["trainer"][key]
 
     assert result["step"] == 10
     assert_states_close(result["resumed"], result["final"], atol=0)
+
+
+def test_a_streamed_full_file_refuses_to_commit_with_tensors_never_gathered(tmp_path):
+    """save_checkpoint(full=True) writes the file's layout first and each tensor's bytes as it is gathered; a
+    tensor whose bytes never came would read as garbage, so the file is not put in place."""
+    skeleton = {"state_dict": {"a": torch.empty(4, 3), "b": torch.empty(2)}, "rng": [torch.arange(5)]}
+    placeholders = {("state_dict", "a"), ("state_dict", "b")}
+    path = tmp_path / "full.pt"
+
+    writer = ckpt_io.StreamedFullFile(path, skeleton, placeholders)
+    writer.fill(("state_dict", "a"), torch.arange(12.0).view(4, 3))
+    with pytest.raises(RuntimeError, match=r"no data was gathered for \[\"\('state_dict', 'b'\)\"\]"):
+        writer.commit()
+    assert os.listdir(tmp_path) == []
+
+    writer = ckpt_io.StreamedFullFile(path, skeleton, placeholders)
+    writer.fill(("state_dict", "a"), torch.arange(12.0).view(4, 3))
+    writer.fill(("state_dict", "b"), torch.tensor([7.0, 8.0]))
+    writer.commit()
+    loaded = torch.load(path)
+    assert torch.equal(loaded["state_dict"]["a"], torch.arange(12.0).view(4, 3))
+    assert torch.equal(loaded["state_dict"]["b"], torch.tensor([7.0, 8.0]))
+    assert torch.equal(loaded["rng"][0], torch.arange(5)) and os.listdir(tmp_path) == ["full.pt"]
 
 
 # -- exact resume: same strategy and world size ---------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -94,34 +95,87 @@ def checkpoint_state(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any] |
     return rank_state, trainer_state, _meta(trainer)
 
 
-def full_checkpoint(trainer: Trainer) -> dict[str, Any] | None:
-    """The checkpoint in the full-file layout (see trainer/checkpoint.py) on rank 0, None on the others.
-    Collective. Gathered one unit at a time: rank 0 holds what it will write plus one unit in flight."""
-    strategy = trainer.strategy
-    state_dict = strategy.full_state_dict(rank_zero_only=True)
-    order = list(state_dict)
-    optimizers = [_gathered_optimizer_state(strategy, opt, order) for opt in trainer.optimizers]
-    rngs = strategy.all_gather_object(rng_state())
-    if not trainer.is_global_zero:
-        return None
-    meta = {"format_version": ckpt_io.FORMAT_VERSION, "world_size": trainer.world_size, **_meta(trainer)}
-    return {"state_dict": state_dict, "optimizers": optimizers, "trainer": _trainer_state(trainer), "rng": rngs,
-            "meta": meta}
+def write_full_checkpoint(trainer: Trainer, path: str) -> None:
+    """Write the full-file checkpoint (see trainer/checkpoint.py) at `path` from rank 0. Collective.
+    Everything is gathered twice, unit by unit: first for the file's layout (rank 0 keeps only uninitialised
+    placeholders of each tensor's shape and dtype), then for the bytes, which rank 0 writes into the file as each
+    unit arrives. So no rank holds more than about one unit of the model and its optimizer state at a time."""
+    skeleton, placeholders = full_checkpoint(trainer, placeholders=True)
+    writer = ckpt_io.StreamedFullFile(path, skeleton, placeholders) if trainer.is_global_zero else None
+    del skeleton
+    try:
+        for key, value in _gathered_state(trainer):
+            if isinstance(value, torch.Tensor):
+                writer.fill(key, value)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.commit()
+    trainer.strategy.barrier()
 
 
-def _gathered_optimizer_state(strategy: Any, optimizer: torch.optim.Optimizer, order: list[str]) -> dict | None:
-    full = None
-    for per_rank in strategy.gather_optimizer_state_pieces(optimizer):
-        if per_rank is None:
-            continue  # not rank 0
-        part = ckpt_io.full_optimizer_state(per_rank, order)
-        if full is None:
-            full = part
+def full_checkpoint(trainer: Trainer, placeholders: bool = False) -> tuple[dict[str, Any] | None, set[tuple]]:
+    """The checkpoint in the full-file layout on rank 0 (None on the others), and the keys of its gathered
+    tensors. Collective. With `placeholders`, the gathered tensors (weights, optimizer state) are replaced by
+    uninitialised tensors of their shape and dtype as each unit arrives."""
+    state_dict: dict[str, Any] = {}
+    optimizers: list[dict[str, Any]] = [{"state": {}} for _ in trainer.optimizers]
+    keys: set[tuple] = set()
+    for key, value in _gathered_state(trainer):
+        if key[0] == "optimizers" and len(key) == 2:
+            optimizers[key[1]].setdefault("header", value)
+            continue
+        if placeholders and isinstance(value, torch.Tensor):
+            value = torch.empty(value.shape, dtype=value.dtype)  # untouched memory: not resident
+            keys.add(key)
+        if key[0] == "state_dict":
+            state_dict[key[1]] = value
         else:
-            full["state"].update(part["state"])
-    if full is not None:
-        full["state"] = {name: full["state"][name] for name in order if name in full["state"]}
-    return full
+            optimizers[key[1]]["state"].setdefault(key[3], {})[key[4]] = value
+    rngs = trainer.strategy.all_gather_object(rng_state())
+    if not trainer.is_global_zero:
+        return None, set()
+    for alias, first in trainer.strategy.parameter_aliases().items():
+        state_dict[alias] = state_dict[first]
+        keys |= {("state_dict", alias)} if ("state_dict", first) in keys else set()
+    order = _state_dict_order(trainer)
+    meta = {"format_version": ckpt_io.FORMAT_VERSION, "world_size": trainer.world_size, **_meta(trainer)}
+    checkpoint = {"state_dict": {k: state_dict[k] for k in order}, "optimizers": [
+        _full_optimizer(opt, order) for opt in optimizers
+    ], "trainer": _trainer_state(trainer), "rng": rngs, "meta": meta}
+    return checkpoint, keys
+
+
+def _gathered_state(trainer: Trainer) -> Iterator[tuple[tuple, Any]]:
+    """Collective. On rank 0, unit by unit: (("state_dict", name), value) for every state-dict entry (tied
+    aliases left out), (("optimizers", i), {"class", "param_groups"}) for each optimizer once per unit, and
+    (("optimizers", i, "state", name, key), value) for its state. The other ranks get nothing but must iterate."""
+    strategy = trainer.strategy
+    for part in strategy.iter_full_state_dict(rank_zero_only=True):
+        for name, value in part.items():
+            yield ("state_dict", name), value
+    order = _state_dict_order(trainer)
+    for i, optimizer in enumerate(trainer.optimizers):
+        for per_rank in strategy.gather_optimizer_state_pieces(optimizer):
+            if per_rank is None:
+                continue  # not rank 0
+            part = ckpt_io.full_optimizer_state(per_rank, order)
+            yield ("optimizers", i), {"class": part["class"], "param_groups": part["param_groups"]}
+            for name, entries in part["state"].items():
+                for key, value in entries.items():
+                    yield ("optimizers", i, "state", name, key), value
+
+
+def _state_dict_order(trainer: Trainer) -> list[str]:
+    return list(trainer.module.state_dict(keep_vars=True))
+
+
+def _full_optimizer(gathered: dict[str, Any], order: list[str]) -> dict[str, Any]:
+    header = gathered.get("header", {"class": None, "param_groups": []})
+    state = {name: gathered["state"][name] for name in order if name in gathered["state"]}
+    return {"class": header["class"], "state": state, "param_groups": header["param_groups"]}
 
 
 def _trainer_state(trainer: Trainer) -> dict[str, Any]:

@@ -278,15 +278,12 @@ class Trainer:
     def save_checkpoint(self, path: str | os.PathLike, full: bool = False) -> None:
         """Write a checkpoint directory at `path`, or with `full=True` one file that torch.load reads (rank 0
         writes it). Collective: call it on every rank."""
-        from .state import checkpoint_state, full_checkpoint
+        from .state import checkpoint_state, write_full_checkpoint
 
         if full:
             if os.path.isdir(path):  # checked before any rank starts gathering
                 raise ValueError(f"save_checkpoint(full=True): {os.fspath(path)!r} is a directory; use a file path")
-            checkpoint = full_checkpoint(self)
-            if self.is_global_zero:
-                ckpt_io.save_file(checkpoint, path)
-            self.strategy.barrier()
+            write_full_checkpoint(self, os.fspath(path))
             return
         rank_state, trainer_state, meta = checkpoint_state(self)
         ckpt_io.save_directory(os.fspath(path), rank_state, trainer_state, self.strategy, meta)
