@@ -12,7 +12,7 @@ A full checkpoint (`trainer.save_checkpoint(path, full=True)`) is one file that 
    "optimizers": [{"class", "state": {parameter name: {key: full tensor or scalar}},
                    "param_groups": [hyperparameters and "param_names"]}],
    "trainer": what trainer.pt holds, "rng": [RNG states by rank], "meta": what meta.json holds, less "files"}
-`load_checkpoint` returns any checkpoint in this layout.
+`load_checkpoint` returns any checkpoint in this layout. It is written by `StreamedFullFile` as it is gathered.
 """
 
 from __future__ import annotations
