@@ -348,6 +348,9 @@ def report(preset: str, summary: dict, args) -> str:
         lines.append("engine collectives per step, rank 0 (calls, MiB of fp32 elements sent): " + "; ".join(
             f"{v}: " + ", ".join(f"{k} {c:.0f}x {e * 4 / MiB:.0f}" for k, (c, e) in sorted(kinds.items()))
             for v, kinds in comm.items()))
+        from strategies.sharding.collectives import describe
+
+        lines.append(f"engine collectives on gloo: {describe('gloo')}")
     return "\n".join(lines)
 
 

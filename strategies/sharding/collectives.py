@@ -45,6 +45,14 @@ GLOO_CHUNK_BYTES = 16 * 2**20
 GLOO_P2P_CHUNK_BYTES = 4 * 2**20
 
 
+def describe(backend: str) -> str:
+    """How each collective is carried out on `backend` (shown by the benchmarks)."""
+    if backend == "gloo":
+        return (f"all_gather and reduce_scatter as point-to-point messages in {GLOO_P2P_CHUNK_BYTES // 2**20} MiB "
+                f"chunks; all_reduce as gloo's own in {GLOO_CHUNK_BYTES // 2**20} MiB chunks")
+    return "torch's all_reduce, reduce_scatter_single and all_gather_single"
+
+
 class Pending:
     """Several in-flight works, and what to do once all are done."""
 
