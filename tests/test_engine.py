@@ -573,6 +573,33 @@ def body_gloo_collectives_in_chunks() -> tuple[bool, bool, bool, bool]:
     return gathered, reduced, gathered_in_place, in_flight
 
 
+def body_kinds_issued_in_different_orders() -> tuple[bool, bool]:
+    """Rank 0 starts an all-gather then a reduce-scatter, rank 1 the other way round, both in flight at once."""
+    from strategies.sharding import collectives
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    stats = collectives.CommStats()
+    previous, collectives.GLOO_P2P_CHUNK_BYTES = collectives.GLOO_P2P_CHUNK_BYTES, 40  # several messages each
+    try:
+        shard, full = torch.full((25,), float(rank)), torch.empty(25 * size)
+        grads, out = torch.arange(25.0 * size) * (rank + 1), torch.empty(25)
+        ops = [lambda: collectives.all_gather(full, shard, None, stats, async_op=True),
+               lambda: collectives.reduce_scatter_sum(out, grads, None, stats, async_op=True)]
+        for work in [op() for op in (ops if rank % 2 == 0 else ops[::-1])]:
+            work.wait()
+    finally:
+        collectives.GLOO_P2P_CHUNK_BYTES = previous
+    gathered = torch.equal(full, torch.cat([torch.full((25,), float(r)) for r in range(size)]))
+    total = sum(r + 1 for r in range(size))
+    return gathered, torch.equal(out, torch.arange(25.0 * rank, 25.0 * (rank + 1)) * total)
+
+
+def test_all_gathers_and_reduce_scatters_may_interleave_differently_on_each_rank(rank_pool):
+    """When a unit's gradient reduction starts can differ between ranks (a parameter unused on one of them), so
+    the two kinds of point-to-point exchanges must not be matched across kinds."""
+    assert rank_pool(2).run(body_kinds_issued_in_different_orders) == [(True, True)] * 2
+
+
 def test_gloo_all_gather_and_reduce_scatter_by_point_to_point_messages_are_exact(rank_pool):
     for world_size in (2, 3):
         assert rank_pool(world_size).run(body_gloo_collectives_in_chunks) == [(True, True, True, True)] * world_size

@@ -81,15 +81,21 @@ def _chunks(numel: int, element_size: int, chunk_bytes: int | None = None) -> li
     return [(start, min(start + step, numel)) for start in range(0, numel, step)]
 
 
-def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any) -> list:
-    """Post every send (tensor, to group rank) and receive (tensor, from group rank), chunked; returns the works.
-    Every rank posts its messages to a peer in the same order, and gloo matches a pair's messages in order."""
+# gloo matches the messages between two ranks that carry the same tag in the order they are posted. All-gathers
+# and reduce-scatters use a tag each, so each kind only has to be issued in the same order on every rank (as any
+# collective must), not interleaved alike: when a reduction starts can differ between ranks.
+ALL_GATHER_TAG, REDUCE_SCATTER_TAG = 1, 2
+
+
+def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any,
+              tag: int) -> list:
+    """Post every send (tensor, to group rank) and receive (tensor, from group rank), chunked; returns the works."""
     works = []
     for tensors, post in ((sends, dist.isend), (recvs, dist.irecv)):
         for tensor, peer in tensors:
             for a, b in _chunks(tensor.numel(), tensor.element_size(), GLOO_P2P_CHUNK_BYTES):
                 peer_arg = {"group_dst": peer} if post is dist.isend else {"group_src": peer}
-                works.append(post(tensor[a:b], group=group, **peer_arg))
+                works.append(post(tensor[a:b], group=group, tag=tag, **peer_arg))
     return works
 
 
@@ -158,7 +164,7 @@ def _gloo_reduce_scatter(shard: torch.Tensor, parts: list[list[torch.Tensor]], g
         for other in others:
             shard.add_(other)
 
-    return Pending(_exchange(sends, recvs, group), add_received)
+    return Pending(_exchange(sends, recvs, group, REDUCE_SCATTER_TAG), add_received)
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:
@@ -175,7 +181,8 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommS
         # Each rank's shard lands straight in its place in `full`.
         if shard.data_ptr() != own.data_ptr():
             own.copy_(shard)
-        pending = Pending(_exchange([(own, p) for p in peers], [(full[p * n : (p + 1) * n], p) for p in peers], group))
+        sends, recvs = [(own, p) for p in peers], [(full[p * n : (p + 1) * n], p) for p in peers]
+        pending = Pending(_exchange(sends, recvs, group, ALL_GATHER_TAG))
     else:
         source = shard.clone() if shard.data_ptr() == own.data_ptr() else shard  # no aliasing for the backend
         pending = Pending([dist.all_gather_single(full, source, group=group, async_op=True)])
