@@ -138,13 +138,17 @@ def full_checkpoint(trainer: Trainer, placeholders: bool = False) -> tuple[dict[
     if not trainer.is_global_zero:
         return None, set()
     for alias, first in trainer.strategy.parameter_aliases().items():
-        state_dict[alias] = state_dict[first]
-        keys |= {("state_dict", alias)} if ("state_dict", first) in keys else set()
+        state_dict[alias] = state_dict[first]  # the same tensor: tied entries share their storage in the file
+        if ("state_dict", first) in keys:
+            keys.add(("state_dict", alias))
     order = _state_dict_order(trainer)
-    meta = {"format_version": ckpt_io.FORMAT_VERSION, "world_size": trainer.world_size, **_meta(trainer)}
-    checkpoint = {"state_dict": {k: state_dict[k] for k in order}, "optimizers": [
-        _full_optimizer(opt, order) for opt in optimizers
-    ], "trainer": _trainer_state(trainer), "rng": rngs, "meta": meta}
+    checkpoint = {
+        "state_dict": {k: state_dict[k] for k in order},
+        "optimizers": [_full_optimizer(opt, order) for opt in optimizers],
+        "trainer": _trainer_state(trainer),
+        "rng": rngs,
+        "meta": {"format_version": ckpt_io.FORMAT_VERSION, "world_size": trainer.world_size, **_meta(trainer)},
+    }
     return checkpoint, keys
 
 
