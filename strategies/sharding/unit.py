@@ -270,7 +270,7 @@ class ShardUnit:
             wait(self._reduce_work)
         self._reduce_work = None
         if self.spec.shard_gradients:
-            reduced = self._reduce_output.to(self.shard_device, self.master.dtype, non_blocking=True)
+            reduced = self._reduce_output.to(self.shard_device, self.master.dtype)  # read at once: no non_blocking
             if self.shard_grad is None:  # the first since zero_grad: the averaged output becomes the gradient
                 self.shard_grad = reduced.mul_(1.0 / self.world_size)
             else:
