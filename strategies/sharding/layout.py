@@ -2,8 +2,9 @@
 
 A unit's parameters are laid end to end in one flat buffer, padded at the end to a multiple of the world size.
 Rank r owns the contiguous slice [r * shard_size, (r + 1) * shard_size). The unsharded parameters are views into
-the flat buffer, so an all-gather writes them directly and a gradient buffer of the same layout is reduced
-without copies. A parameter may straddle two ranks' slices: each rank then holds a piece of it.
+the flat buffer, so an all-gather writes them directly; a replicated gradient bucket of the same layout is
+all-reduced in place, and sharded gradients are sent piece by piece (`pieces`) to the ranks that own them.
+A parameter may straddle two ranks' slices: each rank then holds a piece of it.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Under fsdp a unit is a module chosen by the wrap policy (its parameters are all-gathered before it computes and
 freed after); under ddp, zero1 and zero2 a unit is a gradient bucket. Either way the unit owns one flat buffer of
-its parameters (see layout.py), one flat gradient buffer, and, when optimizer state is sharded, this rank's
-slice of both as the tensors the optimizer steps.
+its parameters (see layout.py) and its gradients: a flat bucket of the same layout when gradients are replicated,
+this rank's gradient shard when they are sharded (reduce-scattered straight from each parameter's .grad). When
+optimizer state is sharded, this rank's slices of parameters and gradients are the tensors the optimizer steps.
 """
 
 from __future__ import annotations
