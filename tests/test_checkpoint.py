@@ -311,6 +311,12 @@ def test_different_parameter_groups_are_refused_before_anything_is_loaded(saved,
     first.save_checkpoint(tmp_path / "grouped.pt", full=True)  # a full file is checked the same way
     with pytest.raises(ValueError, match=r"save_checkpoint\(full=True\): .* is a directory"):
         first.save_checkpoint(tmp_path, full=True)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"save_checkpoint\(full=True\): cannot make the folder of"):
+        first.save_checkpoint(tmp_path / "a_file" / "full.pt", full=True)
+    new_file = tmp_path / "new" / "folder" / "full.pt"
+    first.save_checkpoint(new_file, full=True)  # its folder is made
+    assert ckpt_io.load_full_state_dict(new_file).keys() == first.module.state_dict().keys()
 
     def refusal(module: LM, path: str) -> list[str]:
         trainer = make_trainer(str(tmp_path), "single", 1, max_steps=3)

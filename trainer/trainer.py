@@ -281,8 +281,10 @@ class Trainer:
         from .state import checkpoint_state, write_full_checkpoint
 
         if full:
-            if os.path.isdir(path):  # checked before any rank starts gathering
-                raise ValueError(f"save_checkpoint(full=True): {os.fspath(path)!r} is a directory; use a file path")
+            # Only rank 0 writes: it checks the path (and makes its folder) before any rank starts gathering.
+            problem = self.strategy.broadcast(_full_file_problem(os.fspath(path)) if self.is_global_zero else None)
+            if problem is not None:
+                raise ValueError(f"save_checkpoint(full=True): {problem}")
             write_full_checkpoint(self, os.fspath(path))
             return
         rank_state, trainer_state, meta = checkpoint_state(self)
@@ -314,3 +316,14 @@ class Trainer:
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
         by_epochs = per_epoch * self.max_epochs if self.max_epochs > 0 else float("inf")
         return int(min(by_epochs, self.max_steps if self.max_steps > 0 else float("inf")))
+
+
+def _full_file_problem(path: str) -> str | None:
+    """Why a full checkpoint cannot be written at `path`, or None (after making its folder)."""
+    if os.path.isdir(path):
+        return f"{path!r} is a directory; use a file path"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as error:
+        return f"cannot make the folder of {path!r}: {error}"
+    return None
