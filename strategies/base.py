@@ -126,8 +126,6 @@ class Strategy:
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
-        for unit in self.engine.units:
-            unit.clear_stale_gradients()
         grads = [u.shard_grad if self.spec.shard_optimizer_state else u.grad_flat for u in self.engine.units]
         return [g for g in grads if g is not None]
 

@@ -97,9 +97,10 @@ def checkpoint_state(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any] |
 
 def write_full_checkpoint(trainer: Trainer, path: str) -> None:
     """Write the full-file checkpoint (see trainer/checkpoint.py) at `path` from rank 0. Collective.
-    Everything is gathered twice, unit by unit: first for the file's layout (rank 0 keeps only uninitialised
-    placeholders of each tensor's shape and dtype), then for the bytes, which rank 0 writes into the file as each
-    unit arrives. So no rank holds more than about one unit of the model and its optimizer state at a time."""
+    Two passes, unit by unit: first the file's layout (rank 0 keeps only uninitialised placeholders of each
+    tensor's shape and dtype; the optimizer state is gathered to learn them, the weights' are known), then the
+    bytes, which rank 0 writes into the file as each unit arrives. So no rank holds more than about one unit of
+    the model and its optimizer state at a time."""
     skeleton, placeholders = full_checkpoint(trainer, placeholders=True)
     writer = ckpt_io.StreamedFullFile(path, skeleton, placeholders) if trainer.is_global_zero else None
     del skeleton
@@ -118,12 +119,18 @@ def write_full_checkpoint(trainer: Trainer, path: str) -> None:
 
 def full_checkpoint(trainer: Trainer, placeholders: bool = False) -> tuple[dict[str, Any] | None, set[tuple]]:
     """The checkpoint in the full-file layout on rank 0 (None on the others), and the keys of its gathered
-    tensors. Collective. With `placeholders`, the gathered tensors (weights, optimizer state) are replaced by
-    uninitialised tensors of their shape and dtype as each unit arrives."""
+    tensors. Collective. With `placeholders`, the gathered tensors are uninitialised tensors of their shape and
+    dtype: the weights' are known without gathering, the optimizer state's are replaced as each unit arrives."""
     state_dict: dict[str, Any] = {}
     optimizers: list[dict[str, Any]] = [{"state": {}} for _ in trainer.optimizers]
     keys: set[tuple] = set()
-    for key, value in _gathered_state(trainer):
+    if placeholders and trainer.is_global_zero:
+        aliases = trainer.strategy.parameter_aliases()
+        for name, (shape, dtype) in trainer.strategy.full_state_shapes().items():
+            if name not in aliases:
+                state_dict[name] = torch.empty(shape, dtype=dtype)  # untouched memory: not resident
+                keys.add(("state_dict", name))
+    for key, value in _gathered_state(trainer, weights=not placeholders):
         if key[0] == "optimizers" and len(key) == 2:
             optimizers[key[1]].setdefault("header", value)
             continue
@@ -152,12 +159,13 @@ def full_checkpoint(trainer: Trainer, placeholders: bool = False) -> tuple[dict[
     return checkpoint, keys
 
 
-def _gathered_state(trainer: Trainer) -> Iterator[tuple[tuple, Any]]:
+def _gathered_state(trainer: Trainer, weights: bool = True) -> Iterator[tuple[tuple, Any]]:
     """Collective. On rank 0, unit by unit: (("state_dict", name), value) for every state-dict entry (tied
-    aliases left out), (("optimizers", i), {"class", "param_groups"}) for each optimizer once per unit, and
-    (("optimizers", i, "state", name, key), value) for its state. The other ranks get nothing but must iterate."""
+    aliases left out; skipped unless `weights`), (("optimizers", i), {"class", "param_groups"}) for each
+    optimizer once per unit, and (("optimizers", i, "state", name, key), value) for its state. The other ranks
+    get nothing but must iterate."""
     strategy = trainer.strategy
-    for part in strategy.iter_full_state_dict(rank_zero_only=True):
+    for part in strategy.iter_full_state_dict(rank_zero_only=True) if weights else []:
         for name, value in part.items():
             yield ("state_dict", name), value
     order = _state_dict_order(trainer)

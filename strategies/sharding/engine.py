@@ -270,6 +270,7 @@ class ShardingEngine:
 
     def finish_backward(self) -> None:
         for unit in self.units:
+            unit.clear_stale_gradients()  # before anything reads the buckets: reduction, clipping, loss scaler
             unit.grads_ready = True
         self._launch_ready_reductions()
         for unit in self.units:

@@ -299,7 +299,6 @@ class ShardUnit:
 
     def local_grad_square_sum(self) -> torch.Tensor:
         """Sum of squared gradient elements this rank is responsible for in a global norm."""
-        self.clear_stale_gradients()
         grad = self.shard_grad if self.spec.shard_optimizer_state else self.grad_flat
         if grad is None:
             return torch.zeros((), dtype=torch.float32, device=self.device)
