@@ -99,9 +99,9 @@ def make_strategy(name: str):
 
 
 def fit(module: TrainModule, strategy, devices: int, batch_size: int, steps: int = STEPS,
-        dataset: TensorDataset | None = None, **trainer_kwargs) -> Trainer:
+        dataset: TensorDataset | None = None, clip: float = CLIP, **trainer_kwargs) -> Trainer:
     trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, max_epochs=1,
-                      accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, logger=False,
+                      accumulate_grad_batches=ACCUMULATE, gradient_clip_val=clip, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
     loader = DataLoader(dataset if dataset is not None else token_dataset(), batch_size=batch_size, shuffle=False)
     trainer.fit(module, loader)
@@ -137,20 +137,27 @@ def body_fit_every_strategy(optimizers: list[str]) -> dict[tuple[str, str], dict
     results = {}
     for optimizer in optimizers:
         for name in STRATEGIES:
-            trainer = fit(new_model(optimizer=optimizer), make_strategy(name), torch.distributed.get_world_size(),
-                          PER_RANK_BATCH)
+            trainer = fit(new_model(optimizer=optimizer), make_strategy(name), world_size(), PER_RANK_BATCH)
             assert trainer.global_step == STEPS
             results[(name, optimizer)] = trainer.strategy.full_state_dict()
-    return results if torch.distributed.get_rank() == 0 else None
+    return results if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0 else None
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 # ------------------------------------------------------------------------------------------------------ tests
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_every_strategy_matches_one_process_on_the_global_batch(rank_pool, world_size):
+    """World size 1 runs in this process (no process group): every strategy must train exactly as one process."""
     optimizers = list(TOLERANCE)
-    results = rank_pool(world_size).run(body_fit_every_strategy, optimizers)[0]
+    if world_size == 1:
+        results = body_fit_every_strategy(optimizers)
+    else:
+        results = rank_pool(world_size).run(body_fit_every_strategy, optimizers)[0]
     initial = new_model().state_dict()
     for optimizer in optimizers:
         want = reference_weights(world_size, optimizer)
@@ -163,3 +170,25 @@ def test_every_strategy_matches_one_process_on_the_global_batch(rank_pool, world
             difference = max_relative_difference(got, want)
             assert difference <= TOLERANCE[optimizer], (name, optimizer, world_size, difference)
             assert torch.equal(got["head.weight"], got["emb.weight"]), "tied weights came apart"
+
+
+def body_float64_with_clipping(clip: float) -> dict[str, dict[str, torch.Tensor]] | None:
+    results = {}
+    for name in STRATEGIES:
+        trainer = fit(new_model(optimizer="sgd").double(), make_strategy(name), world_size(), PER_RANK_BATCH,
+                      clip=clip)
+        results[name] = trainer.strategy.full_state_dict()
+    return results if torch.distributed.get_rank() == 0 else None
+
+
+def test_float64_training_with_clipping_matches_one_process_to_1e_10(rank_pool):
+    """The global norm is computed in the gradients' own dtype (as torch's clip_grad_norm_), so a float64 model
+    is clipped in float64 on every strategy."""
+    clip = 0.05  # below every step's gradient norm: clipping acts on each step
+    want = fit(new_model(optimizer="sgd").double(), "single", 1, 2 * PER_RANK_BATCH, clip=clip)
+    want = want.strategy.full_state_dict()
+    assert want["emb.weight"].dtype == torch.float64
+    results = rank_pool(2).run(body_float64_with_clipping, clip)[0]
+    for name in STRATEGIES:
+        difference = max_relative_difference(results[name], want)
+        assert difference <= 1e-10, (name, difference)

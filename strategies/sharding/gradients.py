@@ -88,6 +88,7 @@ class ReplicatedGradients:
         self._work, self._launched = None, False
         self.buffer.div_(self.unit.world_size)
         self.used = (self.flags > 0).tolist()
+        self.zeroed = [not used for used in self.used]  # every region now holds the average of all ranks
 
     def attach(self) -> None:
         """After a reduction: `.grad` is the averaged gradient where some rank used the parameter, else None."""
