@@ -11,8 +11,9 @@ touches all alike:
   torch-ddp    torch.nn.parallel.DistributedDataParallel (defaults)
   torch-zero   torch.distributed.optim.ZeroRedundancyOptimizer(AdamW) over DDP (defaults)
   torch-fsdp   torch.distributed.fsdp.fully_shard on every Block, then on the root
-  ddp, zero1, zero2, fsdp   this project's strategies, driven through the Strategy API in the Trainer's order
-               (call, backward, optimizer_step, zero_grad); fsdp is FSDPStrategy(auto_wrap_policy={Block})
+  ddp, zero1, zero2, fsdp   this project's strategies, set up with strategy.setup_module / setup_optimizer and
+               driven by the same plain torch step as the torch variants (model(x), loss.backward(),
+               opt.step(), opt.zero_grad()); fsdp is FSDPStrategy(auto_wrap_policy={Block})
   floor        the compute floor: each rank trains a plain model with plain AdamW on the same per-rank batch,
                with no communication (both ranks at once, so they share the machine as the others do)
   floor-solo   (not run by default) rank 0 alone does the floor's work while rank 1 waits
@@ -102,7 +103,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def build(name: str, config: GPTConfig, lr: float, mesh):
     """A fresh model of the variant (same seed everywhere): step(x, y) -> loss, the engine if any, and close()."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     model = GPT(config)
     if name in ("floor", "floor-solo"):
         if name == "floor-solo" and rank != 0:
@@ -131,18 +132,9 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
 
     strategy = {"ddp": DDPStrategy, "zero1": lambda: ZeroStrategy(stage=1), "zero2": lambda: ZeroStrategy(stage=2),
                 "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block})}[name]()
-    strategy.connect(torch.device("cpu"), world, rank)
     model = strategy.setup_module(model)
     opt = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # trainer/steps.py's order, precision "32"
-        loss = strategy.call(lambda: loss_fn(model(x), y))
-        strategy.backward(loss)
-        strategy.optimizer_step(opt)
-        strategy.zero_grad(opt)
-        return loss.detach()
-
-    return step, strategy.engine, strategy.teardown
+    return _plain_step(model, model, opt), strategy.engine, strategy.teardown
 
 
 def _plain_step(wrapped, model, opt):
