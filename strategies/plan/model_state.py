@@ -162,4 +162,5 @@ def model_state_bytes(
     ranks = range(world_size) if rank is None else [rank]
     per_rank = [[sum(b) for b in zip(*(_unit_bytes(u, spec, r, states, reduce_dtype) for u in units))] for r in ranks]
     parameters, gradients, optimizer_bytes = max(per_rank, key=sum)
-    return StrategyMemory(parameters, gradients, optimizer_bytes, units_in_flight(units, spec), 0)
+    return StrategyMemory(parameters, gradients, optimizer_bytes, units_in_flight(units, spec), 0,
+                          gradients_between_steps=not spec.shard_gradients)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from .sizes import format_bytes
 
@@ -12,14 +12,14 @@ KINDS = ("parameters", "gradients", "optimizer", "units_in_flight", "activations
 
 @dataclass(frozen=True)
 class StrategyMemory:
-    """Bytes one rank holds under one strategy at the peak of a training step (the sum is an upper bound: the
-    sharded gradients of zero2 and fsdp are made during backward, while activations are freed)."""
+    """Bytes one rank holds under one strategy during a training step, by kind, and their peak (`total`)."""
 
     parameters: int
     gradients: int
     optimizer: int  # state, and the master copy where a param dtype is given (see model_state.py)
-    units_in_flight: int  # unsharded buffers that come and go during the step
+    units_in_flight: int  # unsharded buffers that come and go during forward and backward
     activations: int  # what autograd saves for backward
+    gradients_between_steps: bool = True  # False for sharded gradients: made in backward, dropped by zero_grad
 
     @property
     def model_state(self) -> int:
@@ -27,7 +27,13 @@ class StrategyMemory:
 
     @property
     def total(self) -> int:
-        return self.model_state + self.units_in_flight + self.activations
+        """The peak. Replicated gradient buckets stay between steps, so they add to what forward and backward
+        hold (activations, units in flight). Sharded gradients (zero2, fsdp) grow during backward as activations
+        are freed and are dropped by zero_grad: only the larger of the two counts."""
+        transient = self.units_in_flight + self.activations
+        if self.gradients_between_steps:
+            return self.model_state + transient
+        return self.parameters + self.optimizer + max(self.gradients, transient)
 
 
 @dataclass
@@ -45,7 +51,8 @@ class MemoryPlan:
         return next(iter(self.strategies.values())).activations
 
     def to_json(self) -> dict[str, dict[str, int]]:
-        return {name: {**asdict(row), "total": row.total} for name, row in self.strategies.items()}
+        return {name: {**{kind: getattr(row, kind) for kind in KINDS}, "total": row.total}
+                for name, row in self.strategies.items()}
 
     def fitting(self, budget: int | None = None) -> list[str]:
         """The strategies whose total fits `budget` (default: the device memory), least communication first."""
