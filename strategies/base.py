@@ -1,14 +1,15 @@
-"""The Strategy contract: the small set of capabilities the Trainer asks of every strategy.
+"""The Strategy contract: the small set of capabilities that differ between strategies.
 
-A strategy is a ShardingSpec plus options; all the work is done by the sharding engine. The Trainer sets up the
-process group and device, then calls `setup_module`, `setup_optimizer`, `call`, `backward`, `clip_gradients`,
-`optimizer_step` and the state functions below.
+A strategy is a ShardingSpec plus options; all the work is done by the sharding engine, driven by hooks: after
+`setup_module` the model is an ordinary module (call it, `loss.backward()`), and the optimizer returned by
+`setup_optimizer` steps this rank's shards (`optimizer.step()`, `optimizer.zero_grad()`). What is left here is
+setting the two up, skipping gradient sync, gathering parameters for the user, and the state functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -17,7 +18,6 @@ from torch import nn
 
 from .sharding import ShardingEngine, ShardingSpec
 from .sharding import state_dict as engine_state
-from .sharding.object_gather import gather_to_rank_zero
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -38,11 +38,13 @@ class Strategy:
         self.root_device = torch.device("cpu")
         self.world_size = 1
         self.global_rank = 0
+        self._connected = False
 
     # ---- environment --------------------------------------------------------------------------------
     def connect(self, device: torch.device, world_size: int, global_rank: int) -> None:
         """Called by the Trainer once the process group (if any) exists."""
         self.root_device, self.world_size, self.global_rank = device, world_size, global_rank
+        self._connected = True
 
     @property
     def is_global_zero(self) -> bool:
@@ -94,20 +96,23 @@ class Strategy:
         return {}
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard `module` in place and return it. It stays an ordinary module: call it, `loss.backward()`,
+        and step the optimizer returned by `setup_optimizer`. Outside the Trainer (a plain loop under torchrun)
+        the process group the user created is used."""
+        if not self._connected:
+            self.connect(*_environment())
         # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, **self.engine_options())
         return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The same optimizer, stepping this rank's shards; its step() and zero_grad() drive the engine."""
         return self.engine.setup_optimizer(optimizer)
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a step method of the module (training_step, validation_step, ...)."""
-        return self.engine.root_call(fn, *args)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)
+    def forward_context(self) -> AbstractContextManager:
+        """What the Trainer runs training_step, validation_step, ... in: one forward pass of the model."""
+        return self.engine.forward_scope()
 
     @contextmanager
     def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:
@@ -115,19 +120,18 @@ class Strategy:
         with self.engine.no_sync() if enabled else nullcontext():
             yield
 
+    def unsharded(self, module: nn.Module | None = None, write_back: bool = True) -> AbstractContextManager:
+        """`with strategy.unsharded(module):` every parameter of `module` is there in full (master precision) to
+        read and change in place; changes are kept on exit. Call it on every rank."""
+        return self.engine.unsharded(module, write_back)
+
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global L2 norm over every parameter on every rank; returns the norm before clipping."""
         return self.engine.clip_grad_norm_(max_norm)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.engine.step(optimizer)
-
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        self.engine.zero_grad()
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
-        grads = [u.shard_grad if self.spec.shard_optimizer_state else u.grad_flat for u in self.engine.units]
-        return [g for g in grads if g is not None]
+        return self.engine.gradient_tensors()
 
     # ---- state --------------------------------------------------------------------------------------
     def model_state_pieces(self) -> dict[str, Any]:
@@ -144,15 +148,7 @@ class Strategy:
         engine_state.load_optimizer_state(self.engine, optimizer, state, param_groups)
 
     def gather_optimizer_state_pieces(self, optimizer: torch.optim.Optimizer) -> Iterator[list[dict] | None]:
-        """Every rank's `optimizer_state_pieces`, sent to rank 0 one unit's parameters at a time. Collective.
-        Yields, unit by unit, the list by rank on rank 0 and None on the others."""
-        local = self.optimizer_state_pieces(optimizer)
-        for unit in self.engine.units:
-            part = {**local, "state": {n: local["state"][n] for n in unit.param_names if n in local["state"]}}
-            if not self.distributed:
-                yield [part]
-                continue
-            yield gather_to_rank_zero(part)
+        return engine_state.gather_optimizer_state_pieces(self.engine, optimizer)
 
     def parameter_aliases(self) -> dict[str, str]:
         return engine_state.parameter_aliases(self.engine.module)
@@ -160,45 +156,13 @@ class Strategy:
     def full_state_dict(self, rank_zero_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict, gathered unit by unit. Collective. Every rank gets it; with
         `rank_zero_only` the other ranks get {} and hold at most one unit at a time."""
-        out: dict[str, torch.Tensor] = {}
-        for part in self.iter_full_state_dict(rank_zero_only):
-            out.update(part)
-        if rank_zero_only and not self.is_global_zero:
-            return {}
-        for alias, first in self.parameter_aliases().items():
-            out[alias] = out[first]
-        order = list(self.engine.module.state_dict(keep_vars=True))
-        return {k: out[k] for k in order}
+        return engine_state.full_state_dict(self.engine, keep=self.is_global_zero or not rank_zero_only)
 
     def iter_full_state_dict(self, rank_zero_only: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        """The unwrapped model's state-dict entries in full, one unit's parameters at a time (under their first
-        name; tied aliases left out), then the other entries (buffers). Collective: every rank must iterate to
-        the end; with `rank_zero_only` the other ranks get empty dicts."""
-        keep = self.is_global_zero or not rank_zero_only
-        for names, views in self.engine.iter_full_parameters():
-            yield {n: v.detach().cpu().clone() for n, v in zip(names, views)} if keep else {}
-        if not keep:
-            return
-        params = {id(p) for p in self.engine.module.parameters()}
-        aliases = self.parameter_aliases()
-        rest = {}
-        for key, value in self.engine.module.state_dict(keep_vars=True).items():
-            if id(value) not in params and key not in aliases:
-                rest[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-        yield rest
+        return engine_state.iter_full_state_dict(self.engine, keep=self.is_global_zero or not rank_zero_only)
 
     def full_state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """Shape and dtype of every entry of the unwrapped model's state dict, without gathering anything."""
-        params = {}
-        for unit in self.engine.units:
-            for name, shape in zip(unit.param_names, unit.layout.shapes):
-                params[name] = (shape, unit.dtype)
-        for alias, first in self.parameter_aliases().items():
-            params[alias] = params[first]
-        out = {}
-        for key, value in self.engine.module.state_dict(keep_vars=True).items():
-            out[key] = params.get(key) or (value.shape, value.dtype)
-        return out
+        return engine_state.full_state_shapes(self.engine)
 
     def memory_report(self) -> dict[str, int]:
         from .sharding.memory import memory_report
@@ -213,3 +177,14 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _environment() -> tuple[torch.device, int, int]:
+    """Device, world size and rank of a process group the user created (or of one process)."""
+    if not dist.is_initialized():
+        return torch.device("cpu"), 1, 0
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    return device, dist.get_world_size(), dist.get_rank()

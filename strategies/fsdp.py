@@ -3,8 +3,6 @@ all-gathered just before it computes and freed right after."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,18 +64,17 @@ class FSDPStrategy(Strategy):
     def engine_options(self) -> dict[str, Any]:
         options = UnitOptions(self.mixed_precision.param_dtype, self.mixed_precision.reduce_dtype, self.cpu_offload)
         return {"wrap_policy": self.auto_wrap_policy, "reshard_after_forward": self.reshard_after_forward,
-                "unit_options": options}
+                "unit_options": options,
+                "forward_context": self._offload_activations if self.activation_offload else None}
+
+    def _offload_activations(self) -> Any:
+        """Activations saved for backward go to CPU memory (pinned when a GPU is used) and come back in backward."""
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda")
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self.activation_checkpointing is not None:
             apply_activation_checkpointing(module, self.activation_checkpointing)
         return super().setup_module(module)
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        # Activations saved for backward go to CPU memory (pinned when a GPU is used) and come back in backward.
-        offload = torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda")
-        with offload if self.activation_offload and torch.is_grad_enabled() else nullcontext():
-            return super().call(fn, *args)
 
     def __repr__(self) -> str:
         return (f"FSDPStrategy(reshard_after_forward={self.reshard_after_forward}, cpu_offload={self.cpu_offload}, "

@@ -65,17 +65,18 @@ def rank_batch(micro: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def engine_step(model: nn.Module, engine: ShardingEngine, opt: torch.optim.Optimizer, accumulate: int) -> None:
+    """One optimizer step in plain torch: the engine works from its hooks."""
     for micro in range(accumulate):
         x, y = rank_batch(micro)
-        loss = engine.root_call(lm_loss, model, x, y) / accumulate
+        loss = lm_loss(model, x, y) / accumulate
         if micro < accumulate - 1:
             with engine.no_sync():
-                engine.backward(loss)
+                loss.backward()
         else:
-            engine.backward(loss)
+            loss.backward()
     engine.clip_grad_norm_(0.5)
-    engine.step(opt)
-    engine.zero_grad()
+    opt.step()
+    opt.zero_grad()
 
 
 # ------------------------------------------------------------------------------- communication (invariant 3)
@@ -92,7 +93,8 @@ def body_communication_per_step(accumulate: int) -> dict[str, tuple[dict[str, in
         engine_step(model, engine, opt, accumulate)
         engine.stats.reset()
         engine_step(model, engine, opt, accumulate)
-        out[name] = dict(engine.stats.elements), {u.name: u.layout.padded_total for u in engine.units}
+        sizes = {u.name: (u.layout.padded_total, len(u.params) if any(u.trainable) else 0) for u in engine.units}
+        out[name] = dict(engine.stats.elements), sizes
     return out
 
 
@@ -104,22 +106,26 @@ def test_communication_per_step_matches_theory(rank_pool, accumulate):
     root unit (it stays unsharded from the start of forward to the end of backward, as in FSDP2) and the last
     unit of the forward (its backward comes first, so it is kept), which are gathered once, and reduces
     its gradients every micro-batch. Under no_sync (accumulation) ddp and zero1 do not communicate. A sharded
-    gradient reduction is a reduce-scatter of P (on gloo made of point-to-point messages)."""
-    for elements in rank_pool(2).run(body_communication_per_step, accumulate):
+    gradient reduction is a reduce-scatter of P (on gloo made of point-to-point messages). Every reduction
+    carries one "used" flag per parameter (F in all; each rank's slice of a reduce-scatter has all of its unit's)."""
+    N = 2
+    for elements in rank_pool(N).run(body_communication_per_step, accumulate):
         assert set(elements) == set(SPECS)
         for name, (sent, sizes) in elements.items():
-            P = sum(sizes.values())
-            gathered_once = sizes.get("", 0) + sizes.get("blocks.1", 0)  # fsdp's root and last unit in forward
+            P = sum(size for size, _ in sizes.values())
+            F = sum(flags for _, flags in sizes.values())
+            gathered_once = sizes[""][0] + sizes["blocks.1"][0] if name == "fsdp" else 0  # root and last unit
             expected = {
-                "ddp": {"all_reduce": 2 * P},
-                "zero1": {"all_reduce": 2 * P, "all_gather": P},
-                "zero2": {"reduce_scatter": accumulate * P, "all_gather": P},
-                "fsdp": {"all_gather": accumulate * (2 * P - gathered_once), "reduce_scatter": accumulate * P},
+                "ddp": {"all_reduce": 2 * (P + F)},
+                "zero1": {"all_reduce": 2 * (P + F), "all_gather": P},
+                "zero2": {"reduce_scatter": accumulate * (P + N * F), "all_gather": P},
+                "fsdp": {"all_gather": accumulate * (2 * P - gathered_once),
+                         "reduce_scatter": accumulate * (P + N * F)},
             }[name]
             assert sent == expected, (name, sizes)
         fsdp_units = elements["fsdp"][1]
         assert set(fsdp_units) == {"blocks.0", "blocks.1", ""}
-        assert fsdp_units["blocks.0"] == 82 and fsdp_units[""] == 86  # 85 root elements padded to 2 ranks
+        assert fsdp_units["blocks.0"][0] == 82 and fsdp_units[""][0] == 86  # 85 root elements padded to 2 ranks
 
 
 def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:
@@ -129,12 +135,13 @@ def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:
     engine_step(model, engine, opt, 1)
     engine.stats.reset()
     engine_step(model, engine, opt, 1)
-    return {**engine.stats.elements, "P": sum(u.layout.padded_total for u in engine.units)}
+    flags = sum(len(u.params) for u in engine.units if any(u.trainable))
+    return {**engine.stats.elements, "P": sum(u.layout.padded_total for u in engine.units), "F": flags}
 
 
 def test_fsdp_without_reshard_after_forward_gathers_each_unit_once(rank_pool):
     for sent in rank_pool(2).run(body_fsdp_gathers_once_without_resharding):
-        assert sent["all_gather"] == sent["P"] and sent["reduce_scatter"] == sent["P"]
+        assert sent["all_gather"] == sent["P"] and sent["reduce_scatter"] == sent["P"] + 2 * sent["F"]
 
 
 # ------------------------------------------------------------------------------------- memory (invariant 2)
@@ -168,9 +175,9 @@ def body_memory_reports() -> dict[str, dict]:
             )
         for _ in range(2):
             x = torch.randn(4, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
-            engine.backward(engine.root_call(lambda m, x: m(x).square().mean(), model, x))
-            engine.step(opt)
-            engine.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
         reports[name] = {**engine_report(engine), "in_flight_in_forward": in_flight, "units": len(engine.units)}
     return reports
 
@@ -519,23 +526,44 @@ def test_batchnorm_running_statistics_are_rank_zeros_on_every_rank(rank_pool):
 # --------------------------------------------------------------- sharded parameters outside a unit's forward
 
 
-def body_read_sharded_parameters() -> tuple[list[int], float, str]:
+def body_read_sharded_parameters() -> dict:
+    from strategies.sharding.placeholder import ShardedParameterError
+
     trainer = fit(new_model(), FSDPStrategy(auto_wrap_policy={Block}), dist.get_world_size(), PER_RANK_BATCH)
-    weight = trainer.module.blocks[0].l1.weight  # a wrapped unit's parameter, resharded after training
-    try:
+    module, strategy = trainer.module, trainer.strategy
+    weight = module.blocks[0].l1.weight  # a wrapped unit's parameter, resharded after training
+    errors = []
+    for read in (lambda: weight.sum(), lambda: module.state_dict(), lambda: module.blocks[0].l1(torch.ones(DIM))):
+        try:
+            read()
+        except ShardedParameterError as error:
+            errors.append(str(error))
+    with strategy.unsharded(module):
+        seen = weight.detach().clone()
         with torch.no_grad():
-            weight.add_(1.0)
-        write_error = ""
-    except RuntimeError as error:
-        write_error = str(error)
-    return list(weight.shape), float(weight.abs().sum()), write_error
+            weight.add_(1.0)  # written on every rank alike: kept in the shards
+    x = token_dataset().tensors[0][:2]
+    with torch.no_grad():
+        output = module(x)
+    plain = new_model()
+    plain.load_state_dict(strategy.full_state_dict())
+    return {"shape": list(weight.shape), "errors": errors, "seen": seen, "output": output,
+            "plain_output": plain(x).detach(), "after": plain.blocks[0].l1.weight.detach()}
 
 
-def test_fsdp_parameters_keep_their_shape_and_read_as_zeros_while_sharded(rank_pool):
-    for shape, total, write_error in rank_pool(2).run(body_read_sharded_parameters):
-        assert shape == [HIDDEN, DIM]
-        assert total == 0.0
-        assert "single memory location" in write_error
+def test_a_sharded_parameter_is_never_read_as_zeros(rank_pool):
+    """Between uses, reading a sharded parameter is an error that names it and says how to read it; inside
+    strategy.unsharded() it is there in full, and writes made there stay; the model called after fit computes
+    with the real weights."""
+    for result in rank_pool(2).run(body_read_sharded_parameters):
+        assert result["shape"] == [HIDDEN, DIM]
+        # Reading it, the model's state_dict, and calling a layer inside a unit without the unit: all refused.
+        assert len(result["errors"]) == 3, result["errors"]
+        assert all("is sharded across 2 rank(s)" in e and "strategy.unsharded(" in e for e in result["errors"])
+        assert "'blocks.0.l1.weight'" in result["errors"][0] and "'blocks.0.l1.weight'" in result["errors"][2]
+        assert result["seen"].abs().sum() > 0
+        assert torch.equal(result["after"], result["seen"] + 1.0)
+        assert torch.allclose(result["output"], result["plain_output"], rtol=0, atol=1e-6)
 
 
 # --------------------------------------------------------------- collectives chosen for gloo
@@ -613,8 +641,8 @@ def body_dropped_engine_is_freed(strategy: str) -> list:
     engine = engine_for(model, strategy)
     opt = engine.setup_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
     x, y = rank_batch(0)
-    engine.backward(engine.root_call(lm_loss, model, x, y))
-    engine.step(opt)
+    lm_loss(model, x, y).backward()
+    opt.step()
     refs = [weakref.ref(model), weakref.ref(engine)]
     del model, engine, opt
     gc.collect()
@@ -667,12 +695,13 @@ def body_gradients_between_steps(strategy: str) -> dict:
     out = {}
     for step, use_right in enumerate([rank == 1, False]):
         x = torch.full((2, 3), float(rank + 1))
-        engine.backward(engine.root_call(lambda x=x, use_right=use_right: model(x, use_right).square().sum()))
+        model(x, use_right).square().sum().backward()
         if strategy in ("ddp", "zero1"):
-            out[f"right_grad{step}"] = model.right.weight.grad.clone()
+            grad = model.right.weight.grad
+            out[f"right_grad{step}"] = None if grad is None else grad.clone()
         before = full_weights(engine)
-        engine.step(opt)
-        engine.zero_grad()
+        opt.step()
+        opt.zero_grad()
         after = full_weights(engine)
         out[f"moved{step}"] = {n: not torch.equal(before[n], after[n]) for n in after}
         out[f"grads_after_zero_grad{step}"] = [p.grad for p in model.parameters()]
@@ -696,5 +725,6 @@ def test_gradients_of_a_step_never_leak_into_the_next(rank_pool, strategy):
         assert rank0[f"grads_after_zero_grad{step}"] == [None] * 4
     if strategy in ("ddp", "zero1"):
         assert torch.equal(rank0["right_grad0"], rank1["right_grad0"]) and rank0["right_grad0"].abs().sum() > 0
+        assert rank0["right_grad1"] is None and rank1["right_grad1"] is None  # used on no rank: no gradient
     assert rank0["moved0"]["right.weight"] and not rank0["moved1"]["right.weight"]  # step 2: no stale gradient
     assert rank0["moved1"]["left.weight"]

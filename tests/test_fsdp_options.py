@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import strategies.sharding.engine as engine_module
-import strategies.sharding.unit as unit_module
+import strategies.sharding.gradients as unit_module
 from callbacks import Callback
 from strategies import FSDPStrategy, MixedPrecision
 from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions
@@ -103,9 +103,9 @@ class MetaNet(TrainModule):
         strategy = self.trainer.strategy
         self.initial = strategy.full_state_dict()
         self.report = strategy.memory_report()
-        # Outside forward and backward every parameter is a stride-0 placeholder over a single element.
+        # Outside forward and backward every parameter is a placeholder whose storage holds no bytes.
         self.placeholders = [
-            (name, p.stride(), p.untyped_storage().nbytes()) for name, p in self.named_parameters()
+            (name, type(p).__name__, p.untyped_storage().nbytes()) for name, p in self.named_parameters()
         ]
 
 
@@ -241,8 +241,8 @@ def test_meta_init_equals_eager_init_and_materializes_shard_by_shard(rank_pool, 
         assert report["parameters"] == shard_bytes, (rank, report)
         assert report["gradients"] == shard_bytes, (rank, report)
         assert report["unsharded_in_flight"] == 0
-        for name, stride, nbytes in got["placeholders"]:
-            assert all(s == 0 for s in stride) and nbytes == FP32_BYTES, (rank, name, stride, nbytes)
+        for name, kind, nbytes in got["placeholders"]:
+            assert kind == "ShardedParameter" and nbytes == 0, (rank, name, kind, nbytes)
         # During materialization: only the module being initialised has full-size storage, no unit is
         # gathered, and the master shards are already this rank's 1/N; never the whole model.
         during = got["during"]
@@ -430,7 +430,7 @@ class GradientDevices(Callback):
         self.devices: set[str] = set()
 
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
-        self.devices |= {u.shard_grad.device.type for u in trainer.strategy.engine.units}
+        self.devices |= {u.grads.shard.device.type for u in trainer.strategy.engine.units}
 
 
 def body_offload() -> dict:

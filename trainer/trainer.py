@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -15,11 +17,11 @@ from strategies import Strategy, get_strategy
 from . import checkpoint as ckpt_io
 from . import config, launcher, planning
 from .data import distributed_loader
+from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
 from .precision import Precision, check_precision
 from .state import TrainerState, configure_optimizers
-from .steps import StepRunner
 
 
 class Trainer:
@@ -201,8 +203,8 @@ class Trainer:
         )
         if ckpt_path is not None:
             self._restore(ckpt_path)
-        runner = StepRunner(self, train_loader, val_loader)
-        self._run_stage("fit", runner.fit)
+        with self._stage("fit"):
+            StepRunner(self, train_loader, val_loader).fit()
 
     def validate(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
@@ -222,8 +224,8 @@ class Trainer:
         loader = self._loader(dataloaders, module.predict_dataloader, "dataloaders", required=True)
         if ckpt_path is not None:
             self._restore(ckpt_path, weights_only=True)
-        runner = StepRunner(self, None, loader)
-        return self._run_stage("predict", lambda: runner.predict(loader))
+        with self._stage("predict"):
+            return StepRunner(self, None, loader).predict(loader)
 
     def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any) -> list[dict[str, float]]:
         self._choose_strategy(module or self.module, None)
@@ -232,8 +234,8 @@ class Trainer:
         loader = self._loader(dataloaders, default, "dataloaders", required=True)
         if ckpt_path is not None:
             self._restore(ckpt_path, weights_only=True)
-        runner = StepRunner(self, None, loader)
-        return self._run_stage(stage, lambda: [runner.evaluate(loader, stage)])
+        with self._stage(stage):
+            return [StepRunner(self, None, loader).evaluate(loader, stage)]
 
     # ---- memory plan --------------------------------------------------------------------------------
     def plan(
@@ -284,10 +286,12 @@ class Trainer:
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         return distributed_loader(loader, self.world_size, self.global_rank, seed, argument)
 
-    def _run_stage(self, stage: str, body: Any) -> Any:
+    @contextmanager
+    def _stage(self, stage: str) -> Iterator[None]:
+        """Callbacks' setup and teardown around a stage; on an exception, on_exception and a failed logger."""
         self._call("setup", stage=stage)
         try:
-            return body()
+            yield
         except BaseException as error:
             self._call("on_exception", error)
             if self.logger is not None:

@@ -1,8 +1,16 @@
-"""The sharding engine: one object that holds a model's units and drives them through a training step.
+"""The sharding engine: one object that holds a model's units and drives them from hooks, as FSDP2 does.
 
-The engine branches on the ShardingSpec only. With nothing sharded it is DDP (bucketed all-reduce from
-backward hooks); with optimizer state sharded it is ZeRO-1; with gradients too, ZeRO-2; with parameters too,
-FSDP full shard (units all-gathered around their forward and backward).
+After the engine is built the model stays an ordinary module, driven by plain torch:
+- forward: under fsdp each unit gathers its parameters around its own forward; modules outside every wrapped unit
+  gather the root unit (the parameters no wrapped unit holds) around theirs (forward.py);
+- `loss.backward()`: gradient hooks start each unit's reduction as soon as its gradients are in, and a callback
+  queued on the autograd engine finishes them all when backward ends;
+- `optimizer.step()` on the optimizer given to `setup_optimizer`: a post-step hook brings every copy of the
+  parameters up to date with the stepped shards; `optimizer.zero_grad()` (and the model's) clears the engine's
+  gradients as torch clears `.grad`.
+
+The engine branches on the ShardingSpec only: nothing sharded is DDP, optimizer state sharded is ZeRO-1, gradients
+too ZeRO-2, parameters too FSDP full shard.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -18,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import CommStats, wait
-from .hooks import call_after_inputs_grad, call_before_outputs_grad, cast_floating
+from .forward import ForwardHooks
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .spec import ShardingSpec, UnitOptions
-from .unit import ParamState, ShardUnit
+from .unit import ShardUnit
 from .units import assign_to_units, gradient_buckets, policy_modules
 
 WrapPolicy = Callable[[nn.Module, str], bool]
@@ -39,13 +47,14 @@ class ShardingEngine:
         reshard_after_forward: bool = True,
         device: torch.device | None = None,
         unit_options: UnitOptions | None = None,
+        forward_context: Callable[[], AbstractContextManager] | None = None,
     ) -> None:
         self.module, self.spec, self.group = module, spec, group
         self.device = device or next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
-        meta_ids = self._meta_ids = replace_meta_parameters(module, self.device)
+        meta_ids = replace_meta_parameters(module, self.device)
+        self._meta_ids = meta_ids
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.reshard_after_forward = reshard_after_forward
         self.unit_options = unit_options or UnitOptions()
         self._full_precision_units: set[str] = set()
         if self.unit_options != UnitOptions() and not spec.shard_parameters:
@@ -54,29 +63,31 @@ class ShardingEngine:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.sync_gradients = True
         self.in_backward = False
+        self._backward_queued = False
         self._broadcast_buffers()
         self.units = self._build_units(wrap_policy)
         self._unit_of_param = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self.param_by_name = {n: p for u in self.units for n, p in zip(u.param_names, u.params)}
         self._reduce_order = self.units  # built in the order backward is expected to finish them
         self._next_reduce = 0
-        self._forward_order: list[ShardUnit] = []
-        self._last_forward_order: list[ShardUnit] = []
         if meta_ids or has_meta_buffers(module):
             materialize(module, meta_ids, self.device, self._write_full_parameter, group)
         self._hooks: list[Any] = []  # removable handles of every hook the engine put on the model
         self._register_grad_hooks()
+        self._register_zero_grad(module, None)
+        self.forward_hooks = ForwardHooks(self, reshard_after_forward, forward_context)
         if spec.shard_parameters:
-            self._register_module_hooks()
+            self._hooks += self.forward_hooks.register()
 
     # ---- setup --------------------------------------------------------------------------------------
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers are the truth (parameters are broadcast per unit, see _build_units)."""
         if self.world_size > 1:
             for b in (b for b in self.module.buffers() if not b.is_meta):
-                dist.broadcast(
-                    b.data, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
-                )
+                dist.broadcast(b.data, src=self._source_rank(), group=self.group)
+
+    def _source_rank(self) -> int:
+        return dist.get_global_rank(self.group, 0) if self.group else 0
 
     def _build_units(self, wrap_policy: WrapPolicy | None) -> list[ShardUnit]:
         if self.spec.shard_parameters:
@@ -112,9 +123,7 @@ class ShardingEngine:
         params = [(n, p) for n, p in params if id(p) not in self._meta_ids]  # broadcast as they materialize
         if self.world_size > 1 and params:
             flat = torch.cat([p.detach().reshape(-1) for _, p in params])
-            dist.broadcast(
-                flat, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
-            )
+            dist.broadcast(flat, src=self._source_rank(), group=self.group)
             offset = 0
             with torch.no_grad():
                 for _, p in params:
@@ -146,16 +155,19 @@ class ShardingEngine:
                     hook = functools.partial(_on_grad_ready, engine, unit_index, index)
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
-    def _register_module_hooks(self) -> None:
-        for unit in self.units:
-            if unit.module is self.module:
-                continue  # the root is driven by root_call, not by its forward
-            self._hooks.append(unit.module.register_forward_pre_hook(
-                lambda _m, args, kwargs, unit=unit: self._pre_forward(unit, args, kwargs), with_kwargs=True
-            ))
-            self._hooks.append(unit.module.register_forward_hook(
-                lambda _m, _args, out, unit=unit: self._post_forward(unit, out)
-            ))
+    def _register_zero_grad(self, owner: Any, params: list[torch.Tensor] | None) -> None:
+        """`owner.zero_grad()` (the model's or an optimizer's) also clears the engine's gradients of `params`
+        (all when None): the instance gets a zero_grad of its own that calls the class's first."""
+        original = type(owner).zero_grad
+        engine = weakref.ref(self)
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            original(owner, set_to_none)
+            if (live := engine()) is not None:
+                live.zero_grad(params, set_to_none)
+
+        owner.zero_grad = zero_grad
+        self._hooks.append(_InstanceAttribute(owner, "zero_grad"))
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model: after this the model's forward and backward are plain again
@@ -164,119 +176,53 @@ class ShardingEngine:
             handle.remove()
         self._hooks.clear()
 
-    # ---- forward ------------------------------------------------------------------------------------
-    def root_call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run a step function of the whole model (training_step, validation_step, ...)."""
-        if self.spec.shard_parameters:
-            if self._forward_order:
-                self._last_forward_order = self._forward_order
-            self._forward_order = []
-            root = self.units[-1]
-            if root.module is self.module:
-                root.unshard()
-            self._prefetch(self._last_forward_order[:1])
-        result = fn(*args, **kwargs)
-        if self.spec.shard_parameters and not torch.is_grad_enabled():
-            for unit in self.units:  # no backward will come to free them (validation, prediction)
-                unit.reshard()
-        return result
-
-    def _pre_forward(self, unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        unit.unshard()
-        if unit.name in self._full_precision_units:
-            unit.input_dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
-            args, kwargs = cast_floating(args, unit.compute_dtype), cast_floating(kwargs, unit.compute_dtype)
-        if self.in_backward:  # recomputation under activation checkpointing
-            return args, kwargs
-        self._forward_order.append(unit)
-        position = len(self._forward_order)
-        self._prefetch(self._last_forward_order[position : position + 1])
-        if not torch.is_grad_enabled():
-            return args, kwargs
-        args, kwargs, unit.inputs_need_grad = call_after_inputs_grad(
-            args, kwargs, lambda: self._on_inputs_grad(unit)
-        )
-        return args, kwargs
-
-    def _post_forward(self, unit: ShardUnit, output: Any) -> Any:
-        if unit.name in self._full_precision_units and unit.input_dtype is not None:
-            output = cast_floating(output, unit.input_dtype)
-        if self.in_backward:
-            return output
-        if self.reshard_after_forward and not self._is_last_in_forward(unit):
-            unit.reshard()
-        if torch.is_grad_enabled():
-            call_before_outputs_grad(output, lambda: self._pre_backward(unit))
-        return output
-
-    def _is_last_in_forward(self, unit: ShardUnit) -> bool:
-        """Whether `unit` just ran as the last unit of the forward (by the previous step's order). Backward
-        starts with it, so it stays gathered instead of being freed and gathered again (when a backward comes;
-        otherwise the next optimizer step or evaluation reshards it)."""
-        order, last = self._forward_order, self._last_forward_order
-        return torch.is_grad_enabled() and len(order) == len(last) > 0 and order[-1] is unit is last[-1]
-
-    def _prefetch(self, units: list[ShardUnit]) -> None:
-        for unit in units:
-            if unit.state is ParamState.SHARDED:
-                unit.unshard(async_op=True)
+    def forward_scope(self) -> AbstractContextManager:
+        """Run a step method of the whole model (training_step, ...) as one forward pass (fsdp: with the root
+        unit gathered, for parameters the method uses directly)."""
+        return self.forward_hooks.scope() if self.spec.shard_parameters else nullcontext()
 
     # ---- backward -----------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), then finish every unit's gradient reduction."""
-        self.in_backward = False
-        loss.backward()
-        self.finish_backward()
-
-    def _pre_backward(self, unit: ShardUnit) -> None:
+    def queue_finish_backward(self) -> None:
+        """Finish every reduction when this backward ends (once per backward)."""
         self.in_backward = True
-        if unit.backward_started:
-            return
-        unit.backward_started = True
-        unit.unshard()
-        order = self._forward_order
-        if unit in order:
-            position = order.index(unit)
-            self._prefetch(order[position - 1 : position] if position > 0 else [])
-
-    def _on_inputs_grad(self, unit: ShardUnit) -> None:
-        unit.input_grad_done = True
-        self._maybe_reshard_after_backward(unit)
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def _on_grad_ready(self, unit: ShardUnit, index: int) -> None:
+        self.queue_finish_backward()
         if unit.on_grad_ready(index):
             unit.grads_ready = True
             self._launch_ready_reductions()
-            self._maybe_reshard_after_backward(unit)
-
-    def _maybe_reshard_after_backward(self, unit: ShardUnit) -> None:
-        if unit.module is self.module:
-            return  # the root is resharded in finish_backward
-        if unit.grads_ready and (unit.input_grad_done or not unit.inputs_need_grad):
-            unit.reshard()
+            self.forward_hooks.maybe_reshard_after_backward(unit)
 
     def _launch_ready_reductions(self) -> None:
         """Collectives must be issued in the same order on every rank, so reductions start in a fixed order."""
-        sync = self.sync_gradients or self.spec.shard_gradients
+        if not (self.sync_gradients or self.spec.shard_gradients):
+            return  # no_sync: replicated gradients accumulate locally
         while (
             self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce].grads_ready
         ):
-            self._reduce_order[self._next_reduce].launch_reduce(sync)
+            self._reduce_order[self._next_reduce].grads.launch()
             self._next_reduce += 1
             if self.spec.shard_gradients and self._next_reduce > REDUCTIONS_IN_FLIGHT:
                 # Finish an older reduction now so that its full-size gradient buffer is freed during backward,
                 # keeping gradient memory at the shard plus a couple of units, as the ZeRO table expects.
-                self._reduce_order[self._next_reduce - 1 - REDUCTIONS_IN_FLIGHT].finish_reduce()
+                self._reduce_order[self._next_reduce - 1 - REDUCTIONS_IN_FLIGHT].grads.finish()
 
     def finish_backward(self) -> None:
+        """Launch the reductions of units whose gradients did not all arrive (unused parameters), wait for all,
+        and leave each averaged gradient where the optimizer reads it. Runs at the end of every backward."""
+        self._backward_queued = False
         for unit in self.units:
-            unit.clear_stale_gradients()  # before anything reads the buckets: reduction, clipping, loss scaler
             unit.grads_ready = True
         self._launch_ready_reductions()
         for unit in self.units:
-            unit.finish_reduce()
+            unit.grads.finish()
             unit.reshard()
             unit.reset_backward_state()
+        for unit in self.units:
+            unit.grads.attach()
         self._next_reduce = 0
         self.in_backward = False
         if self.sync_gradients:  # running statistics (BatchNorm) follow rank 0's, as with DDP's broadcast_buffers
@@ -294,22 +240,31 @@ class ShardingEngine:
     # ---- optimizer ----------------------------------------------------------------------------------
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Keep the user's optimizer and parameter groups; with sharded optimizer state, swap each parameter
-        for this rank's piece of it so the optimizer only steps (and keeps state for) the local shard."""
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in self._unit_of_param:
-                    raise ValueError(
-                        "configure_optimizers: the optimizer holds a tensor that is not a parameter "
-                        f"of the module (shape {tuple(p.shape)})"
-                    )
+        for this rank's piece of it so the optimizer only steps (and keeps state for) the local shard. Its
+        step() then updates every copy of the parameters, and its zero_grad() clears the engine's gradients."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in params:
+            if id(p) not in self._unit_of_param:
+                raise ValueError(
+                    "configure_optimizers: the optimizer holds a tensor that is not a parameter "
+                    f"of the module (shape {tuple(p.shape)})"
+                )
         if optimizer.state:
-            raise ValueError(
-                "configure_optimizers: the optimizer already has state; return a fresh optimizer"
-            )
+            raise ValueError("configure_optimizers: the optimizer already has state; return a fresh optimizer")
         self.optimizers.append(optimizer)
         if self.spec.shard_optimizer_state:
             for group in optimizer.param_groups:
                 group["params"] = [shard for p in group["params"] if (shard := self.shard_of(p)) is not None]
+        ids = {id(p) for p in params}
+        units = [u for u in self.units if any(id(p) in ids for p in u.params)]
+        engine = weakref.ref(self)
+
+        def after_step(*_: Any) -> None:
+            if (live := engine()) is not None:
+                live.after_parameters_changed(units)
+
+        self._hooks.append(optimizer.register_step_post_hook(after_step))
+        self._register_zero_grad(optimizer, params)
         return optimizer
 
     @property
@@ -326,41 +281,72 @@ class ShardingEngine:
         unit, index = self._unit_of_param[id(param)]
         return unit.shard_params.get(index)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, params: list[torch.Tensor] | None = None, set_to_none: bool = True) -> None:
+        """Clear the gradients of `params` (all when None) as torch's zero_grad does."""
+        wanted = None if params is None else {id(p) for p in params}
         for unit in self.units:
-            unit.zero_grad()
+            indices = [i for i, p in enumerate(unit.params) if wanted is None or id(p) in wanted]
+            if indices:
+                unit.grads.zero(indices, set_to_none)
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
+        return [t for unit in self.units for t in unit.grads.tensors()]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so that their global L2 norm over every parameter on every rank is <= max_norm."""
-        squares = torch.stack([unit.local_grad_square_sum() for unit in self.units]).sum()
+        """Scale gradients so that their global L2 norm over every parameter on every rank is <= max_norm. The
+        norm is computed in the gradients' own dtype (the widest, if they differ), as torch's clip_grad_norm_."""
+        squares = [s for unit in self.units if (s := unit.grads.square_sum()) is not None]
+        dtype = functools.reduce(torch.promote_types, (s.dtype for s in squares), torch.float32)
+        total = torch.zeros((), dtype=dtype, device=self.device)
+        for square in squares:
+            total += square.to(self.device, dtype)
         if self.spec.shard_optimizer_state and self.world_size > 1:
-            dist.all_reduce(squares, group=self.group)
-        total = squares.sqrt()
+            dist.all_reduce(total, group=self.group)
+        total = total.sqrt()
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for unit in self.units:
-            unit.scale_grads_(coefficient)
+            unit.grads.scale_(coefficient)
         return total
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        for unit in self.units:
-            unit.clear_stale_gradients()
-            if self.spec.shard_optimizer_state:
-                unit.attach_shard_grads()
-        optimizer.step()
-        self.after_parameters_changed()
-
-    def after_parameters_changed(self) -> None:
+    def after_parameters_changed(self, units: list[ShardUnit] | None = None) -> None:
         """Bring every copy of the parameters up to date with the (just stepped or loaded) master shards."""
+        units = self.units if units is None else units
         if self.spec.shard_parameters:
-            for unit in self.units:
+            for unit in units:
                 unit.reshard()
         elif self.spec.shard_optimizer_state:
-            works = [unit.gather_replicas_after_step() for unit in self.units]  # all in flight at once
-            for unit, work in zip(self.units, works):
+            works = [unit.gather_replicas_after_step() for unit in units]  # all in flight at once
+            for unit, work in zip(units, works):
                 with unit.naming_failures("all-gather of the updated parameters"):
                     wait(work)
 
     # ---- parameters in full -------------------------------------------------------------------------
+    @contextmanager
+    def unsharded(self, module: nn.Module | None = None, write_back: bool = True) -> Iterator[None]:
+        """Every parameter of `module` (default: the whole model) in full and in master precision, for reading
+        and writing in place; on exit each rank keeps its own slice of what was written (so write alike on every
+        rank). Collective under fsdp; a no-op for replicated parameters, which are always full."""
+        if not self.spec.shard_parameters:
+            yield
+            return
+        if self.in_backward:
+            raise RuntimeError("strategy.unsharded() cannot be used during backward")
+        wanted = {id(p) for p in (module or self.module).parameters()}
+        units = [u for u in self.units if any(id(p) in wanted for p in u.params)]
+        for unit in self.units:
+            unit.reshard()
+        fulls = [unit.gather_full_master() for unit in units]
+        for unit, full in zip(units, fulls):
+            unit.show_full(full)
+        self.forward_hooks.paused = True
+        try:
+            yield
+        finally:
+            self.forward_hooks.paused = False
+            for unit, full in zip(units, fulls):
+                unit.hide_full(full, write_back)
+
     def iter_full_parameters(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
         """Unit by unit, the full parameter tensors in master precision (names of the first registration)."""
         for unit in self.units:
@@ -380,6 +366,18 @@ class ShardingEngine:
 
     def unit_of(self, param: nn.Parameter) -> tuple[ShardUnit, int]:
         return self._unit_of_param[id(param)]
+
+
+class _InstanceAttribute:
+    """A removable handle for an attribute the engine set on an object (like a hook's handle)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = weakref.ref(owner), name
+
+    def remove(self) -> None:
+        owner = self.owner()
+        if owner is not None and self.name in vars(owner):
+            delattr(owner, self.name)
 
 
 def _on_grad_ready(engine: weakref.ref, unit_index: int, index: int, _param: torch.Tensor) -> None:

@@ -1,9 +1,8 @@
 """Meta-device initialisation: build the model without memory, then give each rank only its own shards.
 
 Modules created on the meta device are materialized one at a time, in registration order: each gets fresh
-storage for its own parameters, runs its `reset_parameters()` (torch's convention, and what every built-in layer
-runs in its constructor, so with the same seed the values equal an eagerly built model's), rank 0's values are
-broadcast, each rank copies out the pieces it owns, and the full-size copy is dropped. Peak memory is one module's
+storage for its own parameters, runs its own initialisation (see `initialise`), rank 0's values are broadcast,
+each rank copies out the pieces it owns, and the full-size copy is dropped. Peak memory is one module's
 parameters on top of the shards.
 """
 
@@ -14,6 +13,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .placeholder import readable
 
 
 def replace_meta_parameters(root: nn.Module, device: torch.device) -> dict[int, torch.Tensor]:
@@ -57,18 +58,14 @@ def materialize(
         buffers = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
         if not own and not buffers:
             continue
-        if not hasattr(module, "reset_parameters"):
-            raise ValueError(
-                f"module {name or '<root>'!r} ({type(module).__name__}) was created on the meta device but has no "
-                "reset_parameters() to initialise it; define one, or build it outside configure_model"
-            )
+        init = initialiser(root, name, module)
         for key in buffers:
             module._buffers[key] = torch.empty_like(module._buffers[key], device=device)
         resting = [p.data for p in own]
-        with torch.no_grad():
+        with torch.no_grad(), readable(own):
             for p in own:
                 p.data = torch.empty_like(meta_params[id(p)], device=device)  # the master dtype, not p's
-            module.reset_parameters()
+            init()
             for p, rest in zip(own, resting):
                 if id(p) not in done:  # a tied parameter keeps its first holder's initialisation
                     _broadcast(p.data, group)
@@ -77,3 +74,33 @@ def materialize(
                 p.data = rest
             for key in buffers:
                 _broadcast(module._buffers[key], group)
+
+
+def initialiser(root: nn.Module, name: str, module: nn.Module) -> Callable[[], None]:
+    """How `module` initialises its own parameters and buffers: its `reset_parameters()` (torch's convention, and
+    what every built-in layer runs in its constructor, so with the same seed the values equal an eagerly built
+    model's), then, inside a HuggingFace model, that model's `_init_weights(module)` (what its `post_init()` runs
+    on each module; it also covers layers without reset_parameters, such as `Conv1D` or `LlamaRMSNorm`)."""
+    reset = getattr(module, "reset_parameters", None)
+    owner = next((m for m in _ancestors(root, name) if callable(getattr(m, "_init_weights", None))), None)
+    if reset is None and owner is None:
+        raise ValueError(
+            f"module {name or '<root>'!r} ({type(module).__name__}) was created on the meta device but has no "
+            "reset_parameters() to initialise it; define one, or build it outside configure_model"
+        )
+
+    def init() -> None:
+        if reset is not None:
+            reset()
+        if owner is not None:
+            owner._init_weights(module)
+
+    return init
+
+
+def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:
+    """`root`'s modules on the path to `name`, the closest first (the module itself included)."""
+    path, parts = [root], name.split(".") if name else []
+    for part in parts:
+        path.append(path[-1].get_submodule(part))
+    return path[::-1]

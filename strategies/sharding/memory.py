@@ -26,11 +26,8 @@ def memory_report(engine: ShardingEngine) -> dict[str, int]:
             pad //= engine.world_size
         else:
             report["parameters"] += _nbytes(unit.full_flat)
-        if engine.spec.shard_gradients and unit.has_trainable:
-            # The gradient shard exists from the first reduction of a step until zero_grad; counted at that size.
-            report["gradients"] += unit.layout.shard_size * unit.master.element_size()
-        else:
-            report["gradients"] += _nbytes(unit.grad_flat)
+        # A sharded gradient exists from the first reduction of a step until zero_grad; counted at that size.
+        report["gradients"] += unit.grads.nbytes
         report["padding"] += pad
     report["optimizer_state"] = engine.optimizer_state_bytes
     report["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

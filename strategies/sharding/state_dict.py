@@ -7,12 +7,15 @@ the same format serves every strategy and any checkpoint can be loaded under any
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .engine import ShardingEngine
+from .object_gather import gather_to_rank_zero
 
 Pieces = dict[str, dict[str, Any]]
 
@@ -145,3 +148,60 @@ def load_optimizer_state(
                     value = value.clone()
                 state[key] = value
             optimizer.state[target] = state
+
+
+def iter_full_state_dict(engine: ShardingEngine, keep: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """The unwrapped model's state-dict entries in full, one unit's parameters at a time (under their first
+    name; tied aliases left out), then the other entries (buffers). Collective: every rank must iterate to the
+    end; where `keep` is False the entries are not copied out and empty dicts are yielded."""
+    for names, views in engine.iter_full_parameters():
+        yield {n: v.detach().cpu().clone() for n, v in zip(names, views)} if keep else {}
+    if not keep:
+        return
+    params = {id(p) for p in engine.module.parameters()}
+    aliases = parameter_aliases(engine.module)
+    rest = {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        if id(value) not in params and key not in aliases:
+            rest[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+    yield rest
+
+
+def full_state_dict(engine: ShardingEngine, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The unwrapped model's state dict, gathered unit by unit (collective; {} where `keep` is False)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in iter_full_state_dict(engine, keep):
+        out.update(part)
+    if not keep:
+        return {}
+    for alias, first in parameter_aliases(engine.module).items():
+        out[alias] = out[first]
+    return {k: out[k] for k in engine.module.state_dict(keep_vars=True)}
+
+
+def full_state_shapes(engine: ShardingEngine) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Shape and dtype of every entry of the unwrapped model's state dict, without gathering anything."""
+    params = {}
+    for unit in engine.units:
+        for name, shape in zip(unit.param_names, unit.layout.shapes):
+            params[name] = (shape, unit.dtype)
+    for alias, first in parameter_aliases(engine.module).items():
+        params[alias] = params[first]
+    out = {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        out[key] = params.get(key) or (value.shape, value.dtype)
+    return out
+
+
+def gather_optimizer_state_pieces(
+    engine: ShardingEngine, optimizer: torch.optim.Optimizer
+) -> Iterator[list[dict] | None]:
+    """Every rank's `optimizer_pieces`, sent to rank 0 one unit's parameters at a time. Collective. Yields, unit
+    by unit, the list by rank on rank 0 and None on the others."""
+    local = optimizer_pieces(engine, optimizer)
+    for unit in engine.units:
+        part = {**local, "state": {n: local["state"][n] for n in unit.param_names if n in local["state"]}}
+        if engine.world_size == 1 or not dist.is_initialized():
+            yield [part]
+            continue
+        yield gather_to_rank_zero(part)

@@ -1,4 +1,9 @@
-"""The loops: fit (epochs of training batches with validation), evaluation and prediction."""
+"""The loops: fit (epochs of training batches with validation), evaluation and prediction.
+
+One training batch reads as plain torch: `training_step`, `loss.backward()`, clipping, `optimizer.step()`,
+`optimizer.zero_grad()`, with the callback hooks between; the strategy's engine works from hooks on the model and
+the optimizer. Trainer.fit -> StepRunner.fit -> train_epoch -> train_batch -> training_step.
+"""
 
 from __future__ import annotations
 
@@ -131,14 +136,14 @@ class StepRunner:
         window_end = (
             batch_idx + 1
         ) % t.accumulate_grad_batches == 0 or batch_idx + 1 == t.num_training_batches
-        with t.precision.autocast():
-            output = self.strategy.call(self.module.training_step, batch, batch_idx)
+        with t.precision.autocast(), self.strategy.forward_context():
+            output = self.module.training_step(batch, batch_idx)
         loss = self._loss_from(output, batch_idx)
         if self._all_ranks_skip(loss is None, batch_idx):
             outputs = None
         else:
             with self.strategy.no_backward_sync(enabled=not window_end):
-                self.strategy.backward(t.precision.scale_loss(loss / t.accumulate_grad_batches))
+                t.precision.scale_loss(loss / t.accumulate_grad_batches).backward()
             self._backward_in_window = True
             outputs = {"loss": loss.detach()}
         if window_end:
@@ -182,8 +187,8 @@ class StepRunner:
             if t.gradient_clip_val is not None:
                 self.strategy.clip_gradients(t.gradient_clip_val)
             t._call("on_before_optimizer_step", self.optimizer)
-            self.strategy.optimizer_step(self.optimizer)
-        self.strategy.zero_grad(self.optimizer)
+            self.optimizer.step()
+        self.optimizer.zero_grad()
         t.state.global_step += 1
         for cfg in t.lr_scheduler_configs:
             if cfg["interval"] == "step" and t.global_step % cfg["frequency"] == 0:
@@ -221,8 +226,8 @@ class StepRunner:
                 if batch_idx >= limit:
                     break
                 batch = move_to_device(batch, self.strategy.root_device)
-                with t.precision.autocast():
-                    output = self.strategy.call(step_fn, batch, batch_idx)
+                with t.precision.autocast(), self.strategy.forward_context():
+                    output = step_fn(batch, batch_idx)
                 t._call(f"on_{name}_batch_end", output, batch, batch_idx)
         metrics = t.metrics.end_epoch()
         self._log(metrics)
@@ -239,8 +244,8 @@ class StepRunner:
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
                 batch = move_to_device(batch, self.strategy.root_device)
-                with t.precision.autocast():
-                    prediction = self.strategy.call(self.module.predict_step, batch, batch_idx)
+                with t.precision.autocast(), self.strategy.forward_context():
+                    prediction = self.module.predict_step(batch, batch_idx)
                 predictions.append(prediction)
                 t._call("on_predict_batch_end", prediction, batch, batch_idx)
         t._call("on_predict_end")

@@ -1,0 +1,188 @@
+"""fsdp's module hooks: every unit gathers its parameters around its own forward, and again for its backward.
+
+A wrapped unit hooks its module. The root unit (the parameters no wrapped unit holds) is gathered by every module
+outside the wrapped units that holds or contains such parameters, and by `scope()`, which the Trainer runs its step
+methods in (they may use root parameters directly). The outermost hooked call is one forward pass: it gathers the
+root unit and starts prefetching in the previous pass's order, and when no backward will follow (grad disabled) it
+frees every unit at its end. With grad enabled the root unit stays gathered until the end of backward (as in
+FSDP2), and each wrapped unit is gathered again when the gradient of its output arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .hooks import call_after_inputs_grad, call_before_outputs_grad, cast_floating
+from .unit import ParamState, ShardUnit
+
+if TYPE_CHECKING:
+    from .engine import ShardingEngine
+
+
+class ForwardHooks:
+    def __init__(
+        self,
+        engine: ShardingEngine,
+        reshard_after_forward: bool,
+        forward_context: Callable[[], AbstractContextManager] | None,
+    ) -> None:
+        self.engine = engine
+        self.reshard_after_forward = reshard_after_forward
+        self.forward_context = forward_context  # entered around each forward pass that records for backward
+        self.root = next((u for u in engine.units if u.module is engine.module), None)
+        self.paused = False  # inside engine.unsharded(): every parameter is already there
+        self.depth = 0  # hooked calls in progress
+        self.order: list[ShardUnit] = []  # wrapped units in the order this pass ran them
+        self.last_order: list[ShardUnit] = []  # the previous pass's, for prefetching
+        self._context: AbstractContextManager | None = None
+
+    def register(self) -> list[Any]:
+        handles = []
+        for unit in self.engine.units:
+            if unit is not self.root:
+                handles += self._hook(unit.module, unit)
+        for module in self._root_modules():
+            handles += self._hook(module, self.root)
+        return handles
+
+    def _hook(self, module: nn.Module, unit: ShardUnit | None) -> list[Any]:
+        return [
+            module.register_forward_pre_hook(lambda _m, args, kwargs: self.enter(unit, args, kwargs), with_kwargs=True),
+            module.register_forward_hook(lambda _m, _args, output: self.exit(unit, output), always_call=True),
+        ]
+
+    def _root_modules(self) -> list[nn.Module]:
+        """The root, and every module outside the wrapped units that holds a root-unit parameter or contains one
+        that does (so calling it directly gathers them too)."""
+        wrapped = {id(u.module) for u in self.engine.units if u is not self.root}
+        root_params = {id(p) for p in self.root.params} if self.root else set()
+        chosen: dict[int, nn.Module] = {}
+
+        def visit(module: nn.Module) -> bool:
+            holds = any(p is not None and id(p) in root_params for p in module._parameters.values())
+            for child in module.children():
+                if id(child) not in wrapped and visit(child):
+                    holds = True
+            if holds or module is self.engine.module:
+                chosen[id(module)] = module
+            return holds
+
+        visit(self.engine.module)
+        return list(chosen.values())
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """Run a step method (training_step, ...) as one forward pass with the root unit gathered."""
+        self.enter(self.root, (), {})
+        try:
+            yield
+        finally:
+            self.exit(self.root, None)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def enter(self, unit: ShardUnit | None, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.paused:
+            return None
+        if self.engine.in_backward:  # recomputation under activation checkpointing
+            if unit is not None:
+                unit.unshard()
+            return self._cast_inputs(unit, args, kwargs)
+        self.depth += 1
+        if self.depth == 1:
+            self._start_pass()
+        if unit is None or unit is self.root:
+            return None
+        unit.unshard()
+        args, kwargs = self._cast_inputs(unit, args, kwargs)
+        self.order.append(unit)
+        self._prefetch(self.last_order[len(self.order) : len(self.order) + 1])
+        if torch.is_grad_enabled():
+            args, kwargs, unit.inputs_need_grad = call_after_inputs_grad(
+                args, kwargs, lambda: self._on_inputs_grad(unit)
+            )
+        return args, kwargs
+
+    def exit(self, unit: ShardUnit | None, output: Any) -> Any:
+        if self.paused:
+            return output
+        output = self._cast_output(unit, output)
+        if self.engine.in_backward:
+            return output
+        if unit is not None and unit is not self.root:
+            if self.reshard_after_forward and not self._is_last_in_forward(unit):
+                unit.reshard()
+            if torch.is_grad_enabled():
+                call_before_outputs_grad(output, lambda: self._pre_backward(unit))
+        self.depth -= 1
+        if self.depth == 0:
+            self._end_pass()
+        return output
+
+    def _start_pass(self) -> None:
+        if self.order:
+            self.last_order = self.order
+        self.order = []
+        if self.root is not None:
+            self.root.unshard()
+        self._prefetch(self.last_order[:1])
+        if self.forward_context is not None and torch.is_grad_enabled():
+            self._context = self.forward_context()
+            self._context.__enter__()
+
+    def _end_pass(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+        if not torch.is_grad_enabled():  # no backward will come to free them (evaluation, generation)
+            for unit in self.engine.units:
+                unit.reshard()
+
+    def _cast_inputs(self, unit: ShardUnit | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Full-precision units (norm layers under mixed precision) compute in their own dtype."""
+        if unit is None or unit.name not in self.engine._full_precision_units:
+            return args, kwargs
+        unit.input_dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
+        return cast_floating(args, unit.compute_dtype), cast_floating(kwargs, unit.compute_dtype)
+
+    def _cast_output(self, unit: ShardUnit | None, output: Any) -> Any:
+        if unit is None or unit.name not in self.engine._full_precision_units or unit.input_dtype is None:
+            return output
+        return cast_floating(output, unit.input_dtype)
+
+    def _is_last_in_forward(self, unit: ShardUnit) -> bool:
+        """Whether `unit` just ran as the last unit of the forward (by the previous pass's order). Backward
+        starts with it, so it stays gathered instead of being freed and gathered again (when a backward comes;
+        otherwise the next optimizer step or evaluation reshards it)."""
+        order, last = self.order, self.last_order
+        return torch.is_grad_enabled() and len(order) == len(last) > 0 and order[-1] is unit is last[-1]
+
+    def _prefetch(self, units: list[ShardUnit]) -> None:
+        for unit in units:
+            if unit.state is ParamState.SHARDED:
+                unit.unshard(async_op=True)
+
+    # ---- backward -----------------------------------------------------------------------------------
+    def _pre_backward(self, unit: ShardUnit) -> None:
+        self.engine.queue_finish_backward()
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        unit.unshard()
+        if unit in self.order:
+            position = self.order.index(unit)
+            self._prefetch(self.order[position - 1 : position] if position > 0 else [])
+
+    def _on_inputs_grad(self, unit: ShardUnit) -> None:
+        unit.input_grad_done = True
+        self.maybe_reshard_after_backward(unit)
+
+    def maybe_reshard_after_backward(self, unit: ShardUnit) -> None:
+        if unit is self.root or unit.module is None:
+            return  # the root is resharded when backward ends; buckets hold replicated parameters
+        if unit.grads_ready and (unit.input_grad_done or not unit.inputs_need_grad):
+            unit.reshard()

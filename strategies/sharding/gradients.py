@@ -1,0 +1,217 @@
+"""A unit's gradients, in one of two stores chosen once from the spec.
+
+- ReplicatedGradients (ddp, zero1): one flat bucket in the unit's layout, each parameter's `.grad` a view of it,
+  averaged by an all-reduce in place. zero1's optimizer reads this rank's slice of it.
+- ShardedGradients (zero2, fsdp): each parameter's `.grad` is reduce-scattered as it is, and this rank keeps only
+  its slice, summed over the micro-batches of a step; full-size gradients live only until their reduction.
+
+Both send one "used" flag per parameter with the gradients (1 where this rank has a gradient for it), summed by
+the same collective, so no extra message is needed to know which parameters some rank used. A parameter that no
+rank used keeps `.grad is None` and is not stepped, as in one process; one used on some ranks only gets the
+average over all ranks (zeros from the others), as with torch DDP.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .collectives import Work, all_reduce_sum, reduce_scatter_parts, wait
+
+if TYPE_CHECKING:
+    from .unit import ShardUnit
+
+
+class NoGradients:
+    """A unit without trainable parameters."""
+
+    nbytes = 0
+
+    def on_grad_ready(self, index: int) -> None: ...
+    def launch(self) -> None: ...
+    def finish(self) -> None: ...
+    def attach(self) -> None: ...
+    def zero(self, indices: list[int], set_to_none: bool = True) -> None: ...
+
+    def square_sum(self) -> torch.Tensor | None:
+        return None
+
+    def scale_(self, factor: torch.Tensor) -> None: ...
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+
+class ReplicatedGradients:
+    def __init__(self, unit: ShardUnit) -> None:
+        self.unit = unit
+        layout, n = unit.layout, len(unit.params)
+        self.buffer = torch.zeros(layout.padded_total + n, dtype=unit.reduce_dtype, device=unit.device)
+        self.flat, self.flags = self.buffer[: layout.padded_total], self.buffer[layout.padded_total :]
+        self.views = layout.views(self.flat)
+        self.zeroed = [True] * n  # regions known to hold zeros
+        self.used: list[bool] | None = None  # by the last reduction; None while nothing is reduced
+        self._work: Work = None
+        self._launched = False
+        lo, hi = layout.shard_range(unit.rank)
+        self.own = self.flat[lo:hi] if unit.spec.shard_optimizer_state else self.flat  # what this rank steps
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def on_grad_ready(self, index: int) -> None:
+        """Move autograd's fresh tensor into the bucket (accumulation into the view itself happens in place)."""
+        p, view = self.unit.params[index], self.views[index]
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+        self.zeroed[index] = False
+
+    def launch(self) -> None:
+        has_grad = []
+        for index, p in enumerate(self.unit.params):
+            has_grad.append(p.grad is not None)
+            if p.grad is None and not self.zeroed[index]:  # last step's values: this step has none here
+                self.views[index].zero_()
+                self.zeroed[index] = True
+        self.flags.copy_(torch.tensor(has_grad, dtype=self.flags.dtype))
+        self._work = all_reduce_sum(self.buffer, self.unit.group, self.unit.stats, async_op=True)
+        self._launched = True
+
+    def finish(self) -> None:
+        if not self._launched:
+            return
+        with self.unit.naming_failures("gradient reduction"):
+            wait(self._work)
+        self._work, self._launched = None, False
+        self.buffer.div_(self.unit.world_size)
+        self.used = (self.flags > 0).tolist()
+
+    def attach(self) -> None:
+        """After a reduction: `.grad` is the averaged gradient where some rank used the parameter, else None."""
+        if self.used is None:
+            return
+        for index, (p, used) in enumerate(zip(self.unit.params, self.used)):
+            if self.unit.trainable[index]:
+                p.grad = self.views[index] if used else None
+        for piece in self.unit.pieces:  # zero1: the optimizer's slices
+            shard = self.unit.shard_params[piece.param_index]
+            if shard.requires_grad:
+                used = self.used[piece.param_index]
+                offset = self.unit.layout.offsets[piece.param_index]
+                shard.grad = self.flat[offset + piece.start : offset + piece.end] if used else None
+        self.used = None
+
+    def zero(self, indices: list[int], set_to_none: bool = True) -> None:
+        """As torch's zero_grad: `.grad` becomes None (or zeros), here and on the optimizer's slices."""
+        for index in indices:
+            p = self.unit.params[index]
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        for piece in self.unit.pieces:
+            if piece.param_index in indices:
+                shard = self.unit.shard_params[piece.param_index]
+                shard.grad = None if set_to_none or shard.grad is None else shard.grad.zero_()
+
+    def square_sum(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.own).square()
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        self.own.mul_(factor.to(self.own.device, self.own.dtype))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.own]
+
+
+class ShardedGradients:
+    def __init__(self, unit: ShardUnit) -> None:
+        self.unit = unit
+        self.shard: torch.Tensor | None = None  # this rank's slice, made by the first reduction after zero
+        self.used = torch.zeros(len(unit.params), dtype=torch.bool)  # since zero, by any rank
+        self._work: Work = None
+        self._output: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.unit.layout.shard_size * self.unit.master.element_size()
+
+    def on_grad_ready(self, index: int) -> None: ...  # gradients wait in `.grad` for their reduction
+
+    def _parts(self) -> list[list[torch.Tensor]]:
+        """Rank r's slice of the unit's padded flat gradient plus the used flags, as tensors that concatenate
+        to it: pieces of the parameters' `.grad` (in the reduce dtype), zeros where a parameter has none."""
+        unit = self.unit
+        dtype, device = unit.reduce_dtype, unit.device
+        flags = torch.tensor([p.grad is not None for p in unit.params], dtype=dtype, device=device)
+        parts = []
+        for pieces in unit.pieces_by_rank:
+            rank_parts = []
+            for piece in pieces:
+                grad = unit.params[piece.param_index].grad
+                if grad is None:
+                    rank_parts.append(torch.zeros(piece.numel, dtype=dtype, device=device))
+                else:
+                    rank_parts.append(grad.reshape(-1)[piece.start : piece.end].to(dtype))
+            filled = sum(piece.numel for piece in pieces)
+            if filled < unit.layout.shard_size:
+                rank_parts.append(torch.zeros(unit.layout.shard_size - filled, dtype=dtype, device=device))
+            parts.append([*rank_parts, flags])
+        return parts
+
+    def launch(self) -> None:
+        unit = self.unit
+        self._output = torch.empty(unit.layout.shard_size + len(unit.params), dtype=unit.reduce_dtype,
+                                   device=unit.device)
+        self._work = reduce_scatter_parts(self._output, self._parts(), unit.group, unit.stats, async_op=True)
+
+    def finish(self) -> None:
+        if self._output is None:
+            return
+        unit = self.unit
+        with unit.naming_failures("gradient reduction"):
+            wait(self._work)
+        size = unit.layout.shard_size
+        reduced = self._output.to(unit.shard_device, unit.master.dtype)  # read at once: no non_blocking
+        self.used |= reduced[size:].cpu() > 0
+        if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
+            self.shard = reduced[:size].mul_(1.0 / unit.world_size)
+        else:
+            self.shard.add_(reduced[:size], alpha=1.0 / unit.world_size)
+        self._work = self._output = None
+        for p in unit.params:
+            p.grad = None
+
+    def attach(self) -> None:
+        """Point each trainable shard parameter's `.grad` at its slice (None where no rank had a gradient)."""
+        used = self.used.tolist()
+        for piece in self.unit.pieces:
+            shard = self.unit.shard_params[piece.param_index]
+            if shard.requires_grad:
+                has = self.shard is not None and used[piece.param_index]
+                shard.grad = self.shard[piece.shard_offset : piece.shard_offset + piece.numel] if has else None
+
+    def zero(self, indices: list[int], set_to_none: bool = True) -> None:
+        if set_to_none:
+            self.used[indices] = False
+        if self.shard is not None:
+            if not set_to_none or self.used.any():
+                for piece in self.unit.pieces:
+                    if piece.param_index in indices:
+                        self.shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
+            else:
+                self.shard = None  # as torch's zero_grad(set_to_none=True): no memory held between steps
+        self.attach()
+
+    def square_sum(self) -> torch.Tensor | None:
+        return None if self.shard is None else torch.linalg.vector_norm(self.shard).square()
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        if self.shard is not None:
+            self.shard.mul_(factor.to(self.shard.device, self.shard.dtype))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.shard is None else [self.shard]
