@@ -6,16 +6,18 @@
 Each strategy runs as its own 2-rank job (started by the Trainer). After set-up, each rank resets its kernel
 peak-RSS counter (/proc/self/clear_refs), trains a few AdamW steps, and reports its peak resident memory, the
 engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. Beside them: the memory plan's
-total per rank (strategies/plan, computed here on the meta device) against the peak above the process's baseline
-(its resident memory once torch, gloo and the Trainer are up, before the model is built). Then every rank writes a
-full checkpoint (`trainer.save_checkpoint(path, full=True)`, gathered unit by unit to rank 0) and reports how
-far its resident memory rose during that save, next to the file's size. The jobs run with
+total per rank (strategies/plan, computed here on the meta device) against the peak above the process's baseline:
+its resident memory once torch, gloo and the Trainer are up and torch._dynamo is imported (torch.optim imports it
+with the first optimizer: ~150 MiB of code in every training process), before the model is built.
+Then every rank writes a full checkpoint (`trainer.save_checkpoint(path, full=True)`, gathered unit by unit to
+rank 0) and reports how far its resident memory rose during that save, next to the file's size. The jobs run with
 MALLOC_MMAP_THRESHOLD_=1048576 (unless set) so that freed buffers leave the resident set (see main()).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -80,7 +82,9 @@ def run_one(strategy: str, preset: str, steps: int, devices: int) -> None:
     peak = PeakMemory()
     trainer = Trainer(strategy=strategy_arg, devices=devices, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, callbacks=[peak])
-    baseline = _rss_kib("VmRSS:") * 1024  # torch, gloo and the Trainer; no model yet
+    importlib.import_module("torch._dynamo")  # what the first optimizer imports (torch.optim's add_param_group)
+
+    baseline = _rss_kib("VmRSS:") * 1024  # torch, gloo, the Trainer and what a step imports; no model yet
     trainer.fit(GPTModule(config, max_steps=steps), DataLoader(data, batch_size=BATCH_SIZE))
     row = {"strategy": strategy, "rank": trainer.global_rank, "peak_rss": peak.peak_rss, "start_rss": peak.start_rss,
            "baseline_rss": baseline, "report": peak.report, "params": GPT.count_parameters(config),
