@@ -117,11 +117,11 @@ def plan_memory(
                                    resolve_wrap_policy(activation_checkpointing), sample)
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())
+    cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
     description = [
         f"memory plan of {type(model).__name__} ({params / 1e6:,.1f}M parameters) on {world_size} rank(s), "
         f"{nodes} node(s); per rank: batch {batch_size}" + (f" x {seq_len}" if seq_len else "")
-        + f", precision {precision}, param dtype {str(param_dtype or 'of the model').removeprefix('torch.')}, "
-        f"optimizer {optimizer}",
+        + f", precision {precision}{cast}, optimizer {optimizer}",
         "fsdp units: " + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
         + ("; activation checkpointing by its policy" if activation_checkpointing is not None else ""),
     ]
