@@ -289,6 +289,23 @@ def test_auto_strategy_decides_by_the_plan(rank_pool):
     assert "no strategy fits" in chosen[-1][1] and "max_memory_per_rank" in chosen[-1][1], chosen[-1]
 
 
+def test_plan_after_fit_leaves_the_module_alone():
+    """Planning a module that fsdp has set up (sharded parameters, the engine's hooks) reads only shapes and
+    changes nothing. The Trainer's FSDPStrategy options are the plan's: units per Block beat one root unit."""
+    from strategies import FSDPStrategy
+
+    module, loader = SmallLM(), DataLoader(token_dataset(8), batch_size=2)
+    trainer = Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}), devices=1, max_steps=1, **QUIET)
+    trainer.fit(module, loader)
+    before, hooks = trainer.strategy.full_state_dict(), len(module.lm.blocks[0]._forward_pre_hooks)
+    plan = trainer.plan(module, train_dataloaders=loader)
+    root_only = Trainer(strategy="fsdp", devices=1, **QUIET).plan(module, train_dataloaders=loader)
+    assert plan.strategies["fsdp"].units_in_flight < root_only.strategies["fsdp"].units_in_flight
+    after = trainer.strategy.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and before.keys() == after.keys()
+    assert hooks > 0 and len(module.lm.blocks[0]._forward_pre_hooks) == hooks
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 

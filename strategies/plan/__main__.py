@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -68,7 +69,9 @@ def load_factory(parser: argparse.ArgumentParser, target: str) -> nn.Module:
     return model
 
 
-def class_policy(parser: argparse.ArgumentParser, model: nn.Module, option: str, names: str | None):
+def class_policy(
+    parser: argparse.ArgumentParser, model: nn.Module, option: str, names: str | None
+) -> Callable[[nn.Module, str], bool] | None:
     """A policy selecting modules by class name; every name must be a class in the model."""
     if names is None:
         return None

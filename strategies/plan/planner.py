@@ -26,7 +26,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
     hooks and per-instance forwards a strategy may have installed, and with configure_model run (on meta)."""
     memo: dict[int, Any] = {}
     for t in chain(model.parameters(), model.buffers()):
-        meta = torch.empty_like(t, device="meta")
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")  # shape and dtype only: t may be sharded
         memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
     trainer = getattr(model, "_trainer", None)
     if trainer is not None:
