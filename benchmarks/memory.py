@@ -5,15 +5,19 @@
 
 Each strategy runs as its own 2-rank job (started by the Trainer). After set-up, each rank resets its kernel
 peak-RSS counter (/proc/self/clear_refs), trains a few AdamW steps, and reports its peak resident memory, the
-engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. Then every rank writes a
-full checkpoint (`trainer.save_checkpoint(path, full=True)`, gathered unit by unit to rank 0) and reports how
-far its resident memory rose during that save, next to the file's size. The jobs run with
+engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. Beside them: the memory plan's
+total per rank (strategies/plan, computed here on the meta device) against the peak above the process's baseline:
+its resident memory once torch, gloo and the Trainer are up and torch._dynamo is imported (torch.optim imports it
+with the first optimizer: ~150 MiB of code in every training process), before the model is built.
+Then every rank writes a full checkpoint (`trainer.save_checkpoint(path, full=True)`, gathered unit by unit to
+rank 0) and reports how far its resident memory rose during that save, next to the file's size. The jobs run with
 MALLOC_MMAP_THRESHOLD_=1048576 (unless set) so that freed buffers leave the resident set (see main()).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -31,6 +35,7 @@ from trainer import Trainer, seed_everything  # noqa: E402
 
 MiB = 2**20
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+BATCH_SIZE = 2  # sequences of block_size tokens per rank
 
 
 def theory_bytes(strategy: str, params: int, world_size: int) -> float:
@@ -77,9 +82,13 @@ def run_one(strategy: str, preset: str, steps: int, devices: int) -> None:
     peak = PeakMemory()
     trainer = Trainer(strategy=strategy_arg, devices=devices, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, callbacks=[peak])
-    trainer.fit(GPTModule(config, max_steps=steps), DataLoader(data, batch_size=2))
+    importlib.import_module("torch._dynamo")  # what the first optimizer imports (torch.optim's add_param_group)
+
+    baseline = _rss_kib("VmRSS:") * 1024  # torch, gloo, the Trainer and what a step imports; no model yet
+    trainer.fit(GPTModule(config, max_steps=steps), DataLoader(data, batch_size=BATCH_SIZE))
     row = {"strategy": strategy, "rank": trainer.global_rank, "peak_rss": peak.peak_rss, "start_rss": peak.start_rss,
-           "report": peak.report, "params": GPT.count_parameters(config), **_full_save_rise(trainer)}
+           "baseline_rss": baseline, "report": peak.report, "params": GPT.count_parameters(config),
+           **_full_save_rise(trainer)}
     rows = trainer.strategy.all_gather_object(row)
     if trainer.is_global_zero:
         print("RESULT " + json.dumps(rows), flush=True)
@@ -97,6 +106,15 @@ def _full_save_rise(trainer: Trainer) -> dict[str, int]:
     return {"save_rise": rise, "save_file": size}
 
 
+def memory_plan(preset: str, devices: int):
+    """The plan for the benchmark's set-up: the same module, batch and fsdp units (each Block)."""
+    from examples.gpt import Block
+    from strategies.plan import plan_memory
+
+    return plan_memory(GPTModule(GPT_PRESETS[preset]), world_size=devices, batch_size=BATCH_SIZE,
+                       wrap_policy={Block})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="100m", choices=sorted(GPT_PRESETS))
@@ -108,9 +126,11 @@ def main() -> None:
     if args.one:
         run_one(args.one, args.preset, args.steps, args.devices)
         return
+    plan = memory_plan(args.preset, args.devices)
+    print(plan.table() + "\n")
     print(f"{'strategy':8} {'rank':>4} {'model-state theory':>18} {'engine report':>14} {'peak RSS in training':>21}"
-          f" {'RSS at start':>13} {'full save: RSS rise':>19} {'file':>6}"
-          f"   (MiB; params, grads, optimizer state by the engine)")
+          f" {'RSS at start':>13} {'baseline':>9} {'plan total':>10} {'peak - baseline':>15} {'plan/measured':>13}"
+          f" {'full save: RSS rise':>19} {'file':>6}   (MiB; params, grads, optimizer state by the engine)")
     for strategy in args.strategies.split(","):
         command = [sys.executable, os.path.abspath(__file__), "--one", strategy, "--preset", args.preset,
                    "--steps", str(args.steps), "--devices", str(args.devices)]
@@ -126,8 +146,11 @@ def main() -> None:
             r = row["report"]
             model_state = r["parameters"] + r["gradients"] + r["optimizer_state"]
             theory = theory_bytes(strategy, row["params"], args.devices)
+            planned, measured = plan.strategies[strategy].total, row["peak_rss"] - row["baseline_rss"]
             print(f"{strategy:8} {row['rank']:>4} {theory / MiB:>18.0f} {model_state / MiB:>14.0f}"
                   f" {row['peak_rss'] / MiB:>21.0f} {row['start_rss'] / MiB:>13.0f}"
+                  f" {row['baseline_rss'] / MiB:>9.0f} {planned / MiB:>10.0f} {measured / MiB:>15.0f}"
+                  f" {planned / measured:>13.3f}"
                   f" {row['save_rise'] / MiB:>19.0f} {row['save_file'] / MiB:>6.0f}"
                   f"   ({r['parameters'] / MiB:.0f}, {r['gradients'] / MiB:.0f}, {r['optimizer_state'] / MiB:.0f})")
 

@@ -227,6 +227,19 @@ class GPT(nn.Module):
         return idx
 
 
+def gpt_quickstart() -> GPT:
+    """Factories for `python -m strategies.plan examples.gpt:gpt_100m` (one per preset)."""
+    return GPT(GPT_PRESETS["quickstart"])
+
+
+def gpt_30m() -> GPT:
+    return GPT(GPT_PRESETS["30m"])
+
+
+def gpt_100m() -> GPT:
+    return GPT(GPT_PRESETS["100m"])
+
+
 # --------------------------------------------------------------------------------------------- module
 
 
@@ -253,6 +266,11 @@ class GPTModule(TrainModule):
     def configure_model(self) -> None:
         if self.model is None:  # built here so sharded strategies can create it shard by shard
             self.model = GPT(self.config)
+
+    def example_input(self, batch_size: int, seq_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of the shape training sees (the memory plan runs training_step on it)."""
+        x = torch.randint(0, self.config.vocab_size, (batch_size, seq_len or self.config.block_size))
+        return x, x
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch import nn
@@ -18,14 +19,16 @@ def module_class_policy(classes: set[type[nn.Module]]) -> WrapPolicy:
 def min_params_policy(min_num_params: int) -> WrapPolicy:
     """A module becomes a unit when the parameters it holds outside its own child units reach
     `min_num_params`; children are decided first, as in torch's size_based_auto_wrap_policy."""
-    unwrapped_size: dict[int, int] = {}
+    # Keyed by the module itself, weakly: a module made after another was freed (a planned copy, say) may reuse
+    # its id, and must not inherit its size.
+    unwrapped_size: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
     def size_outside_units(module: nn.Module) -> int:
-        if id(module) not in unwrapped_size:
+        if module not in unwrapped_size:
             direct = sum(p.numel() for p in module.parameters(recurse=False))
             children = sum(size_outside_units(c) for c in module.children() if not is_unit(c))
-            unwrapped_size[id(module)] = direct + children
-        return unwrapped_size[id(module)]
+            unwrapped_size[module] = direct + children
+        return unwrapped_size[module]
 
     def is_unit(module: nn.Module) -> bool:
         return size_outside_units(module) >= min_num_params

@@ -15,7 +15,7 @@ from callbacks import Callback, Logger, ModelCheckpoint, ProgressBar, TensorBoar
 from strategies import Strategy, get_strategy
 
 from . import checkpoint as ckpt_io
-from . import config, launcher
+from . import config, launcher, planning
 from .data import distributed_loader
 from .loop import StepRunner
 from .metrics import MetricCollector
@@ -50,6 +50,7 @@ class Trainer:
         timeout: Any = None,
         sync_batchnorm: bool = False,
         check_val_every_n_epoch: int = 1,
+        max_memory_per_rank: int | str | None = None,
     ) -> None:
         # Every argument is checked here, before any rank is started.
         self.accelerator = config.check_accelerator(accelerator)
@@ -72,7 +73,10 @@ class Trainer:
         config.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
         if sync_batchnorm and self.accelerator != "cuda":
             raise ValueError("sync_batchnorm=True needs accelerator='cuda': torch's SyncBatchNorm runs on GPUs only")
+        self.max_memory_per_rank = planning.check_memory_budget(strategy, max_memory_per_rank)
         self.strategy = self._resolve_strategy(strategy, devices * num_nodes)
+        self._auto_strategy = strategy == "auto"  # the plan may decide again once fit knows the module
+        self.num_nodes = num_nodes
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
         self.max_steps, self.accumulate_grad_batches = max_steps, accumulate_grad_batches
         self.gradient_clip_val, self.val_check_interval = gradient_clip_val, val_check_interval
@@ -188,6 +192,7 @@ class Trainer:
         val_dataloaders: Any = None,
         ckpt_path: str | None = None,
     ) -> None:
+        self._choose_strategy(module, train_dataloaders)
         self._setup(module, stage="fit")
         train_loader = self._loader(
             train_dataloaders, module.train_dataloader, "train_dataloaders", required=True
@@ -214,6 +219,7 @@ class Trainer:
     def predict(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
     ) -> list[Any]:
+        self._choose_strategy(module or self.module, None)
         module = self._setup(module or self.module, stage="predict")
         loader = self._loader(dataloaders, module.predict_dataloader, "dataloaders", required=True)
         if ckpt_path is not None:
@@ -222,6 +228,7 @@ class Trainer:
             return StepRunner(self, None, loader).predict(loader)
 
     def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any) -> list[dict[str, float]]:
+        self._choose_strategy(module or self.module, None)
         module = self._setup(module or self.module, stage=stage)
         default = module.val_dataloader if stage == "validate" else module.test_dataloader
         loader = self._loader(dataloaders, default, "dataloaders", required=True)
@@ -229,6 +236,31 @@ class Trainer:
             self._restore(ckpt_path, weights_only=True)
         with self._stage(stage):
             return [StepRunner(self, None, loader).evaluate(loader, stage)]
+
+    # ---- memory plan --------------------------------------------------------------------------------
+    def plan(
+        self, module: TrainModule, batch_size: int | None = None, seq_len: int | None = None,
+        train_dataloaders: Any = None,
+    ) -> planning.MemoryPlan:
+        """Bytes per rank of `module` under ddp, zero1, zero2 and fsdp at this Trainer's world size, precision and
+        FSDPStrategy options, built on the meta device (the module is not changed). The batch is the module's
+        `example_input(batch_size, seq_len)`, else shaped like the train DataLoader's samples. Prints the table
+        on rank 0 and returns the plan."""
+        memory = self.max_memory_per_rank or planning.local_device_memory(self)
+        plan = planning.make_plan(self, module, batch_size, seq_len, train_dataloaders, memory)
+        if self.is_global_zero:
+            print(plan.table(), flush=True)
+        return plan
+
+    def _choose_strategy(self, module: Any, train_dataloaders: Any) -> None:
+        """strategy="auto": the first fit (or evaluation) lets the plan decide where it may (planning.py)."""
+        if not self._auto_strategy or not isinstance(module, TrainModule):
+            return
+        self._auto_strategy = False
+        chosen = planning.choose_strategy(self, module, train_dataloaders)
+        if chosen is not None:
+            chosen.connect(self.strategy.root_device, self.world_size, self.global_rank)
+            self.strategy = chosen
 
     # ---- pieces -------------------------------------------------------------------------------------
     def _setup(self, module: Any, stage: str) -> TrainModule:

@@ -1,0 +1,118 @@
+"""python -m strategies.plan MODULE:FACTORY [options]: the memory plan of a model, without building it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .model_state import OPTIMIZER_STATES
+from .planner import plan_memory
+from .sizes import device_memory_per_rank, parse_bytes
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    p = argparse.ArgumentParser(
+        prog="python -m strategies.plan",
+        description="Bytes per rank (parameters, gradients, optimizer state, units in flight, activations) under "
+        "ddp, zero1, zero2 and fsdp, for a model built on the meta device: no memory, seconds even at 70B.",
+    )
+    p.add_argument("target", metavar="MODULE:FACTORY",
+                   help="an importable module and a zero-argument callable in it returning an nn.Module or a "
+                        "TrainModule, e.g. examples.gpt:gpt_100m or examples.llama:llama_7b")
+    p.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over (default 1)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per rank (default 1)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model config's block_size, "
+                                                "max_seq_len or max_position_embeddings)")
+    p.add_argument("--precision", default="32", choices=PRECISIONS, help="the Trainer's precision (default 32)")
+    p.add_argument("--param-dtype", choices=sorted(DTYPES), help="MixedPrecision(param_dtype=...): compute and "
+                   "communicate parameters in this dtype, with fp32 master weights and optimizer state")
+    p.add_argument("--reduce-dtype", choices=sorted(DTYPES), help="MixedPrecision(reduce_dtype=...) (default: the "
+                   "param dtype)")
+    p.add_argument("--device-memory", help="memory per rank, e.g. 80GiB (default: the free memory of GPU 0, or "
+                   "on CPU this machine's memory shared by the ranks of one node)")
+    p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), help="(default: what the module's "
+                   "configure_optimizers returns, else adamw)")
+    p.add_argument("--wrap", metavar="CLASSNAME[,CLASSNAME]", help="module classes whose instances become fsdp units, "
+                   "e.g. Block; transformer blocks cannot be guessed, so without it the whole model is one unit")
+    p.add_argument("--activation-checkpointing", metavar="CLASSNAME[,CLASSNAME]",
+                   help="module classes whose activations are recomputed in backward (they keep only their inputs)")
+    p.add_argument("--json", action="store_true", help="print bytes per rank by strategy as JSON")
+    return p, p.parse_args(argv)
+
+
+def load_factory(parser: argparse.ArgumentParser, target: str) -> nn.Module:
+    """Call MODULE:FACTORY on the meta device (configure_model too, for a TrainModule)."""
+    module_name, _, factory_name = target.partition(":")
+    if not module_name or not factory_name:
+        parser.error(f"MODULE:FACTORY: {target!r} is not of that form, e.g. examples.gpt:gpt_100m")
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except ImportError as error:
+        parser.error(f"MODULE:FACTORY: cannot import {module_name!r}: {error}")
+    except AttributeError:
+        parser.error(f"MODULE:FACTORY: {module_name} has no {factory_name!r}")
+    with torch.device("meta"):
+        model = factory()
+        if callable(getattr(model, "configure_model", None)):
+            model.configure_model()
+    if not isinstance(model, nn.Module):
+        parser.error(f"MODULE:FACTORY: {target}() returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def class_policy(
+    parser: argparse.ArgumentParser, model: nn.Module, option: str, names: str | None
+) -> Callable[[nn.Module, str], bool] | None:
+    """A policy selecting modules by class name; every name must be a class in the model."""
+    if names is None:
+        return None
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    present = {type(m).__name__ for m in model.modules()}
+    if not wanted or wanted - present:
+        parser.error(f"{option} {names}: no module of class {sorted(wanted - present)} in the model; "
+                     f"its classes are {sorted(present)}")
+    return lambda module, name: type(module).__name__ in wanted
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, args = parse_args(argv)
+    model = load_factory(parser, args.target)
+    if args.device_memory is not None:
+        try:
+            memory, where = parse_bytes(args.device_memory, "--device-memory"), "given"
+        except ValueError as error:
+            parser.error(str(error))
+    elif args.nodes > 0 and args.world_size % args.nodes == 0:
+        memory, where = device_memory_per_rank(args.world_size // args.nodes)
+    else:
+        memory, where = None, ""
+    try:
+        plan = plan_memory(
+            model, world_size=args.world_size, nodes=args.nodes, batch_size=args.batch_size, seq_len=args.seq_len,
+            precision=args.precision, param_dtype=DTYPES.get(args.param_dtype),
+            reduce_dtype=DTYPES.get(args.reduce_dtype), optimizer=args.optimizer,
+            wrap_policy=class_policy(parser, model, "--wrap", args.wrap),
+            activation_checkpointing=class_policy(parser, model, "--activation-checkpointing",
+                                                  args.activation_checkpointing),
+            device_memory=memory,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return
+    plan.description[-1] += f" ({where})"
+    print(plan.table())
+
+
+if __name__ == "__main__":
+    main()

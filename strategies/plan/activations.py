@@ -1,0 +1,208 @@
+"""Activation bytes: one training forward and backward on fake tensors (shapes and dtypes, no memory), counting the
+distinct storages autograd saves for backward (torch.autograd.graph.saved_tensors_hooks).
+
+Fake tensors (torch's FakeTensorMode, as torch.compile traces with) rather than meta ones, because autocast acts on
+a device type: the fake tensors say "cpu", so bf16-mixed and 16-mixed cast as they would in training.
+A module chosen for activation checkpointing keeps only its inputs; backward recomputes one such module at a time,
+so the largest one's saved tensors come back on top of what is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack, nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from ..sharding.engine import NORM_LAYERS
+from ..sharding.hooks import cast_floating
+
+AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None}
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage._cdata, storage.nbytes()
+
+
+class _Held:
+    """A saved tensor as autograd holds it; dropping it (the graph is freed) releases its storage's count."""
+
+    __slots__ = ("tensor", "release")
+
+    def __init__(self, tensor: torch.Tensor, release: Callable[[], None]) -> None:
+        self.tensor, self.release = tensor, release
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class SavedBytes:
+    """Live bytes of the storages autograd holds, counted once each however many ops save them, and their peak."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        self.excluded = excluded  # parameters and buffers: model state, not activations
+        self.counts: dict[int, int] = {}
+        self.live = self.peak = 0
+        self.depth = 0  # > 0 inside a checkpointed module
+        self.region: dict[int, int] = {}  # storages saved inside the current checkpointed module
+        self.largest_region = 0
+        self.kept: list[_Held] = []  # inputs of checkpointed modules
+
+    def hold(self, t: torch.Tensor) -> _Held | torch.Tensor:
+        key, nbytes = _storage(t)
+        if key in self.excluded:
+            return t
+        if self.counts.get(key, 0) == 0:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+        def release() -> None:
+            self.counts[key] -= 1
+            if self.counts[key] == 0:
+                self.live -= nbytes
+
+        return _Held(t, release)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self.depth == 0:
+            return self.hold(t)
+        key, nbytes = _storage(t)
+        if key not in self.excluded and not self.counts.get(key):
+            self.region[key] = nbytes  # recomputed in backward, not kept
+        return t
+
+    @staticmethod
+    def unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def enter_checkpointed(self, _module: nn.Module, args: tuple) -> None:
+        if self.depth == 0:
+            self.kept += [self.hold(a) for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
+            self.region = {}
+        self.depth += 1
+
+    def leave_checkpointed(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            self.largest_region = max(self.largest_region, sum(self.region.values()))
+
+
+def to_fake(model: nn.Module, mode: FakeTensorMode, param_dtype: torch.dtype | None) -> set[int]:
+    """Swap every parameter and buffer for a fake CPU tensor (in `param_dtype` if given, except in normalization
+    layers, as the engine keeps them); returns their storages."""
+    swapped: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        keep_dtype = isinstance(module, NORM_LAYERS)
+        for table in (module._parameters, module._buffers):
+            for key, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in swapped:
+                    dtype = param_dtype if param_dtype and t.is_floating_point() and not keep_dtype else t.dtype
+                    with mode:
+                        swapped[id(t)] = torch.empty(t.shape, dtype=dtype).requires_grad_(t.requires_grad)
+                table[key] = swapped[id(t)]
+    return {_storage(t)[0] for t in swapped.values()}
+
+
+def _norms_in_full_precision(model: nn.Module) -> list[Any]:
+    """As the engine runs normalization units under a param dtype: inputs cast up, outputs back down."""
+    handles = []
+    for module in model.modules():
+        if isinstance(module, NORM_LAYERS):
+            dtype = next(module.parameters(), torch.empty(0)).dtype
+
+            def cast_up(_m: nn.Module, args: tuple, dtype: torch.dtype = dtype) -> tuple:
+                _m._plan_input_dtype = next((a.dtype for a in args if torch.is_tensor(a)), dtype)
+                return cast_floating(args, dtype)
+
+            handles.append(module.register_forward_pre_hook(cast_up))
+            handles.append(module.register_forward_hook(lambda m, _a, out: cast_floating(out, m._plan_input_dtype)))
+    return handles
+
+
+def first_parameter_module(model: nn.Module) -> nn.Module | None:
+    return next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
+
+
+def example_batch(model: nn.Module, batch_size: int, seq_len: int | None, sample: Any) -> tuple[Any, Any]:
+    """(batch, targets): the module's example_input, else a batch of `sample`'s shapes, else int64 tokens for a
+    token model (its first parameter an Embedding), whose targets are the tokens. Call under the fake mode."""
+    if callable(getattr(model, "example_input", None)):
+        return model.example_input(batch_size, seq_len), None
+    if sample is not None:
+        return tree_map(lambda v: _batched(v, batch_size), sample), None
+    if isinstance(first_parameter_module(model), nn.Embedding) and not callable(getattr(model, "training_step", None)):
+        if seq_len is None:
+            raise ValueError("seq_len: give the sequence length of the planned batch (--seq-len)")
+        tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        return tokens, tokens
+    raise ValueError(
+        f"{type(model).__name__}: the plan cannot make a batch for it; define example_input(batch_size, seq_len) "
+        "on the module (it returns the forward's input, or training_step's batch for a TrainModule)"
+        + (", or pass train_dataloaders" if callable(getattr(model, "training_step", None)) else "")
+    )
+
+
+def _batched(value: Any, batch_size: int) -> Any:
+    """What a DataLoader's default collate makes of `batch_size` samples like `value`."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty((batch_size, *value.shape), dtype=value.dtype)
+    if isinstance(value, (bool, int, float)):
+        dtype = {bool: torch.bool, int: torch.long, float: torch.float64}[type(value)]
+        return torch.zeros(batch_size, dtype=dtype)
+    return value
+
+
+def training_loss(model: nn.Module, batch: Any, targets: Any) -> torch.Tensor:
+    """training_step's loss for a TrainModule (its logging switched off), else the forward's output reduced:
+    next-token cross-entropy for token models, the mean of every floating output otherwise."""
+    if callable(getattr(model, "training_step", None)):
+        model.log = model.log_dict = lambda *args, **kwargs: None
+        out = model.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+    out = model(*batch) if isinstance(batch, tuple) else model(batch)
+    if targets is not None:
+        return F.cross_entropy(out.flatten(0, -2).float(), targets.flatten())
+    return sum(t.float().mean() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def activation_bytes(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int | None = None,
+    precision: str = "32",
+    param_dtype: torch.dtype | None = None,
+    checkpointed: Callable[[nn.Module, str], bool] | None = None,
+    sample: Any = None,
+) -> int:
+    """Peak bytes autograd holds for backward in one training step of `model` (whose parameters are swapped for
+    fake tensors: pass a copy). `checkpointed` is an activation-checkpointing policy (module, name) -> bool."""
+    mode = FakeTensorMode()
+    excluded = to_fake(model, mode, param_dtype)
+    saved = SavedBytes(excluded)
+    model.train()
+    with ExitStack() as stack:
+        handles = _norms_in_full_precision(model) if param_dtype is not None else []
+        for name, module in model.named_modules():
+            if name and checkpointed is not None and checkpointed(module, name):
+                handles.append(module.register_forward_pre_hook(saved.enter_checkpointed))
+                handles.append(module.register_forward_hook(saved.leave_checkpointed))
+        stack.callback(lambda: [h.remove() for h in handles])
+        stack.enter_context(mode)
+        batch, targets = example_batch(model, batch_size, seq_len, sample)
+        autocast = AUTOCAST[precision]
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            with torch.autocast("cpu", dtype=autocast) if autocast else nullcontext():
+                loss = training_loss(model, batch, targets)
+            at_backward = saved.live
+            loss.backward()
+        saved.kept.clear()
+    return max(saved.peak, at_backward + saved.largest_region)

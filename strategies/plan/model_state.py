@@ -1,0 +1,166 @@
+"""Model-state bytes per rank, laid out by the engine's own code: the units (fsdp) or gradient buckets (ddp, zero1,
+zero2) that set-up would build, each a FlatLayout padded for the ranks it is sharded over.
+
+Bytes per parameter element, with P parameters sharded over N ranks (padding aside), for an optimizer keeping K
+state tensors per parameter (Adam: 2) in the master dtype m (the parameters' own, fp32 unless "bf16-true"):
+
+| strategy | parameters | gradients | optimizer |
+|---|---|---|---|
+| ddp   | m P        | m P       | K m P     |
+| zero1 | m P        | m P       | K m P / N |
+| zero2 | m P        | m P / N   | K m P / N |
+| fsdp  | m P / N    | m P / N   | K m P / N |
+
+With a param dtype p (MixedPrecision(param_dtype=...)) and reduce dtype r (default p), as in the ZeRO paper
+(Rajbhandari et al. 2019): ddp, zero1 and zero2 hold replicated parameters in p and gradients in r (sharded for
+zero2), and the optimizer holds an fp32 master copy besides its state, (1 + K) m P, sharded for zero1 and zero2.
+fsdp, as the engine does it, keeps one master shard m P / N that is both the parameters and the master copy (the
+gathered copy is cast to p) and its gradient shard in m, so its sum equals the paper's (2 + 2 + 12) P / N for
+mixed-precision Adam although the split differs. The engine does not yet run ddp or ZeRO with a param dtype; the
+plan describes them as the paper does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..sharding import ShardingSpec
+from ..sharding.engine import NORM_LAYERS
+from ..sharding.layout import FlatLayout
+from ..sharding.units import assign_to_units, gradient_buckets, policy_modules
+from ..wrap import resolve_wrap_policy
+from .report import StrategyMemory
+
+# State tensors the size of the parameter that each optimizer keeps (scalars such as Adam's step aside).
+OPTIMIZER_STATES: dict[str, int] = {
+    "adam": 2,  # exp_avg, exp_avg_sq
+    "adamw": 2,
+    "adamax": 2,
+    "nadam": 2,
+    "radam": 2,
+    "adadelta": 2,  # square_avg, acc_delta
+    "sgd-momentum": 1,  # momentum_buffer
+    "adagrad": 1,  # sum
+    "rmsprop": 1,  # square_avg (one more with momentum, one more if centered)
+    "sgd": 0,
+}
+PREFETCHED_UNITS = 2  # fsdp: the unit computing and the next one, gathered ahead
+UNREDUCED_BUCKETS = 2  # zero2: the bucket being filled and the one whose reduce-scatter is in flight
+
+
+def check_optimizer(optimizer: str) -> int:
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} is not known to the plan; choose one of {list(OPTIMIZER_STATES)}")
+    return OPTIMIZER_STATES[optimizer]
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """The OPTIMIZER_STATES key of a torch optimizer."""
+    name = type(optimizer).__name__.lower()
+    if name == "sgd" and optimizer.defaults.get("momentum", 0):
+        return "sgd-momentum"
+    check_optimizer(name)
+    return name
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """One unit or bucket as the engine would build it."""
+
+    name: str  # "" for the fsdp root
+    layout: FlatLayout
+    trainable: tuple[bool, ...]
+    dtype: torch.dtype  # of the master weights: the parameters' own
+    compute_dtype: torch.dtype  # of the gathered parameters and their gradients
+
+    @property
+    def has_trainable(self) -> bool:
+        return any(self.trainable)
+
+    def trainable_elements(self, rank: int | None = None) -> int:
+        """Trainable elements in all (rank None) or in the pieces `rank` owns."""
+        if rank is None:
+            return sum(n for n, t in zip(self.layout.numels, self.trainable) if t)
+        return sum(piece.numel for piece in self.layout.pieces(rank) if self.trainable[piece.param_index])
+
+
+def plan_units(
+    model: nn.Module, spec: ShardingSpec, world_size: int, wrap_policy: Any = None,
+    param_dtype: torch.dtype | None = None,
+) -> list[PlannedUnit]:
+    """The units of `model` under `spec`, as ShardingEngine._build_units groups them, laid out for `world_size`."""
+    norm_units: set[str] = set()
+    if spec.shard_parameters:
+        chosen = [name for name, _ in policy_modules(model, resolve_wrap_policy(wrap_policy))]
+        if param_dtype is not None:  # the engine keeps normalization layers in full precision, as units
+            norm_units = {n for n, m in model.named_modules() if n and isinstance(m, NORM_LAYERS)} - set(chosen)
+        groups = list(assign_to_units(model, chosen + sorted(norm_units)).items())
+    else:
+        groups = [(f"bucket{i}", bucket) for i, bucket in enumerate(gradient_buckets(model))]
+    units = []
+    for name, params in groups:
+        if params:
+            dtype = params[0][1].dtype
+            compute = dtype if param_dtype is None or name in norm_units else param_dtype
+            layout = FlatLayout([p.shape for _, p in params], world_size)
+            units.append(PlannedUnit(name, layout, tuple(p.requires_grad for _, p in params), dtype, compute))
+    return units
+
+
+def _unit_bytes(unit: PlannedUnit, spec: ShardingSpec, rank: int, states: int,
+                reduce_dtype: torch.dtype | None) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer) bytes of one unit on `rank`; see the module's table."""
+    layout, master = unit.layout, unit.dtype.itemsize
+    owned = unit.trainable_elements(rank if spec.shard_optimizer_state else None)
+    grad_elements = (layout.shard_size if spec.shard_gradients else layout.padded_total) * unit.has_trainable
+    if spec.shard_parameters:
+        return layout.shard_size * master, grad_elements * master, states * owned * master
+    if unit.compute_dtype == unit.dtype:
+        return layout.padded_total * master, grad_elements * master, states * owned * master
+    reduce = (reduce_dtype or unit.compute_dtype).itemsize
+    return layout.padded_total * unit.compute_dtype.itemsize, grad_elements * reduce, (1 + states) * owned * master
+
+
+def units_in_flight(units: list[PlannedUnit], spec: ShardingSpec) -> int:
+    """Unsharded buffers that exist only during the step. fsdp: the root's gathered parameters (held for the whole
+    step), the two largest other units' (one computing, one prefetched) and one unit's unreduced gradients
+    (autograd's .grad until the reduce-scatter sends them). zero2: the two largest buckets' unreduced
+    gradients. ddp and
+    zero1: none (gradients go straight into their buckets)."""
+    full = {id(u): u.layout.padded_total * u.compute_dtype.itemsize for u in units}
+    grads = [full[id(u)] for u in units if u.has_trainable]
+    if spec.shard_parameters:
+        root = sum(full[id(u)] for u in units if u.name == "")
+        others = sorted((full[id(u)] for u in units if u.name != ""), reverse=True)[:PREFETCHED_UNITS]
+        return root + sum(others) + max(grads, default=0)
+    if spec.shard_gradients:
+        return sum(sorted(grads)[-UNREDUCED_BUCKETS:])
+    return 0
+
+
+def model_state_bytes(
+    model: nn.Module,
+    spec: ShardingSpec,
+    world_size: int,
+    rank: int | None = None,
+    wrap_policy: Any = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    optimizer: str = "adamw",
+) -> StrategyMemory:
+    """Bytes on `rank` (default: the rank that holds the most) with state sharded over `world_size` ranks
+    (a hybrid layout would pass its shard group's size). Reads only shapes, dtypes and requires_grad: `model`
+    may live on the meta device. `activations` is left 0."""
+    states = check_optimizer(optimizer)
+    if param_dtype is not None and param_dtype == next(model.parameters()).dtype:
+        param_dtype = None  # nothing to cast: no separate master copy
+    units = plan_units(model, spec, world_size, wrap_policy, param_dtype)
+    ranks = range(world_size) if rank is None else [rank]
+    per_rank = [[sum(b) for b in zip(*(_unit_bytes(u, spec, r, states, reduce_dtype) for u in units))] for r in ranks]
+    parameters, gradients, optimizer_bytes = max(per_rank, key=sum)
+    return StrategyMemory(parameters, gradients, optimizer_bytes, units_in_flight(units, spec), 0,
+                          gradients_between_steps=not spec.shard_gradients)

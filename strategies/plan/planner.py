@@ -1,0 +1,131 @@
+"""plan_memory: a model's bytes per rank under ddp, zero1, zero2 and fsdp, computed on a meta copy of it."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2
+from ..wrap import resolve_wrap_policy
+from .activations import AUTOCAST, activation_bytes
+from .model_state import check_optimizer, model_state_bytes, optimizer_kind
+from .report import STRATEGY_ORDER, MemoryPlan
+from .sizes import format_bytes, parse_bytes
+
+SPECS = dict(zip(STRATEGY_ORDER, (REPLICATED, ZERO1, ZERO2, FULL_SHARD)))
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are on the meta device (no data is copied), without the
+    hooks and per-instance forwards a strategy may have installed, and with configure_model run (on meta)."""
+    memo: dict[int, Any] = {}
+    for t in chain(model.parameters(), model.buffers()):
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")  # shape and dtype only: t may be sharded
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    trainer = getattr(model, "_trainer", None)
+    if trainer is not None:
+        memo[id(trainer)] = trainer
+    clone = copy.deepcopy(model, memo)
+    for module in clone.modules():
+        for hooks in _HOOKS:
+            getattr(module, hooks).clear()
+        module.__dict__.pop("forward", None)  # e.g. activation checkpointing's wrapper of the original's forward
+    if callable(getattr(clone, "configure_model", None)):
+        with torch.device("meta"):
+            clone.configure_model()
+    return clone
+
+
+def _check(world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str) -> None:
+    for name, value in (("world_size", world_size), ("nodes", nodes), ("batch_size", batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} is not valid; use a positive int")
+    if world_size % nodes:
+        raise ValueError(f"nodes={nodes} does not divide world_size={world_size}; use the same ranks on every node")
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+        raise ValueError(f"seq_len={seq_len!r} is not valid; use a positive int or None")
+    if precision not in AUTOCAST:
+        raise ValueError(f"precision={precision!r} is not supported; choose one of {list(AUTOCAST)}")
+
+
+def _optimizer_of(model: nn.Module) -> str:
+    """The kind of optimizer model.configure_optimizers() returns (adamw for a module without one)."""
+    if not callable(getattr(model, "configure_optimizers", None)):
+        return "adamw"
+    try:
+        result = model.configure_optimizers()
+    except Exception as error:
+        raise ValueError(f"optimizer: {type(model).__name__}.configure_optimizers() failed on the meta device "
+                         f"({error!r}); pass the optimizer's name to the plan") from error
+    if isinstance(result, dict):
+        result = result["optimizer"]
+    while isinstance(result, (tuple, list)):
+        result = result[0]
+    return optimizer_kind(result)
+
+
+def default_seq_len(model: nn.Module) -> int | None:
+    """The sequence length a model's config declares (block_size, max_seq_len, max_position_embeddings)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for name in ("block_size", "max_seq_len", "max_position_embeddings"):
+            if isinstance(getattr(config, name, None), int):
+                return getattr(config, name)
+    return None
+
+
+def plan_memory(
+    model: nn.Module,
+    world_size: int = 1,
+    nodes: int = 1,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    precision: str = "32",
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    optimizer: str | None = None,
+    wrap_policy: Any = None,
+    activation_checkpointing: Any = None,
+    device_memory: int | str | None = None,
+    sample: Any = None,
+) -> MemoryPlan:
+    """Bytes per rank for every strategy. `model` (an nn.Module or TrainModule, best built on the meta device) is
+    not changed. `batch_size` and `seq_len` are per rank (seq_len defaults to the model config's); `param_dtype`
+    and `reduce_dtype` are MixedPrecision's; `optimizer` an OPTIMIZER_STATES name (default: what the module's
+    configure_optimizers returns, else adamw); `wrap_policy` and `activation_checkpointing` take FSDPStrategy's
+    forms (no wrap policy: the whole model is one fsdp unit); `sample` is one sample of the training data, whose
+    shapes make the batch when the module has no example_input."""
+    _check(world_size, nodes, batch_size, seq_len, precision)
+    meta = meta_copy(model)
+    if not any(True for _ in meta.parameters()):
+        raise ValueError(f"{type(model).__name__} has no parameters to plan")
+    if precision == "bf16-true":
+        meta.to(torch.bfloat16)
+    optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
+    check_optimizer(optimizer)
+    seq_len = seq_len if seq_len is not None else default_seq_len(meta)
+    shard_over = world_size  # hybrid sharding would shard over its group of G ranks here and replicate across
+    rows = {name: model_state_bytes(meta, spec, shard_over, wrap_policy=wrap_policy, param_dtype=param_dtype,
+                                    reduce_dtype=reduce_dtype, optimizer=optimizer) for name, spec in SPECS.items()}
+    activations = activation_bytes(meta, batch_size, seq_len, precision, param_dtype,
+                                   resolve_wrap_policy(activation_checkpointing), sample)
+    budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
+    params = sum(p.numel() for p in meta.parameters())
+    cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
+    description = [
+        f"memory plan of {type(model).__name__} ({params / 1e6:,.1f}M parameters) on {world_size} rank(s), "
+        f"{nodes} node(s); per rank: batch {batch_size}" + (f" x {seq_len}" if seq_len else "")
+        + f", precision {precision}{cast}, optimizer {optimizer}",
+        "fsdp units: " + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
+        + ("; activation checkpointing by its policy" if activation_checkpointing is not None else ""),
+    ]
+    if budget is not None:
+        description.append(f"device memory per rank: {format_bytes(budget)}")
+    return MemoryPlan({name: replace(row, activations=activations) for name, row in rows.items()},
+                      world_size, nodes, budget, description)

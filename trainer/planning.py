@@ -1,0 +1,85 @@
+"""The memory plan as the Trainer uses it: trainer.plan(module), and strategy="auto" decided by the plan."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from strategies import FSDPStrategy, Strategy, get_strategy
+from strategies.plan import MemoryPlan, device_memory_per_rank, format_bytes, parse_bytes, plan_memory
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+AUTO_MARGIN = 0.9  # on GPUs, a plan must fit this share of the free memory (allocator caches, CUDA context)
+
+
+def check_memory_budget(strategy: Any, max_memory_per_rank: Any) -> int | None:
+    if max_memory_per_rank is None:
+        return None
+    budget = parse_bytes(max_memory_per_rank, "max_memory_per_rank")
+    if strategy != "auto":
+        name = strategy.name if isinstance(strategy, Strategy) else strategy
+        raise ValueError(f"max_memory_per_rank={max_memory_per_rank!r} is for strategy='auto' (which picks a "
+                         f"strategy that fits it); with strategy={name!r} leave it out")
+    return budget
+
+
+def _sample(loader: Any) -> Any:
+    """One sample of a map-style DataLoader's dataset, or None."""
+    try:
+        return loader.dataset[0]
+    except (AttributeError, TypeError, IndexError, KeyError, NotImplementedError):
+        return None
+
+
+def make_plan(trainer: Trainer, module: Any, batch_size: int | None = None, seq_len: int | None = None,
+              train_dataloaders: Any = None, device_memory: int | None = None) -> MemoryPlan:
+    """The plan at the Trainer's world size and precision, with its FSDPStrategy's options if it has one. The batch
+    is the module's example_input, else shaped like the train DataLoader's samples."""
+    loader, sample = train_dataloaders, None
+    if not callable(getattr(module, "example_input", None)):
+        loader = loader if loader is not None else module.train_dataloader()
+        sample = _sample(loader) if loader is not None else None
+    batch_size = batch_size or getattr(loader, "batch_size", None) or 1
+    options: dict[str, Any] = {}
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDPStrategy):
+        options = {"wrap_policy": strategy.auto_wrap_policy,
+                   "activation_checkpointing": strategy.activation_checkpointing,
+                   "param_dtype": strategy.mixed_precision.param_dtype,
+                   "reduce_dtype": strategy.mixed_precision.reduce_dtype}
+    return plan_memory(module, world_size=trainer.world_size, nodes=trainer.num_nodes, batch_size=batch_size,
+                       seq_len=seq_len, precision=trainer.precision.precision, device_memory=device_memory,
+                       sample=sample, **options)
+
+
+def local_device_memory(trainer: Trainer) -> int:
+    """Free memory of this rank's GPU, or on CPU this machine's memory shared by the ranks of one node."""
+    if trainer.strategy.root_device.type == "cuda":
+        return torch.cuda.mem_get_info(trainer.strategy.root_device)[0]
+    return device_memory_per_rank(max(1, trainer.world_size // trainer.num_nodes))[0]
+
+
+def choose_strategy(trainer: Trainer, module: Any, train_dataloaders: Any) -> Strategy | None:
+    """strategy="auto" once the module is known. One rank: single; CPU: ddp; unless max_memory_per_rank is
+    given, or on GPUs (their free memory, the least over ranks, with a margin): the least-communicating strategy
+    whose plan fits. None keeps the strategy chosen in the constructor."""
+    if trainer.world_size == 1 or (trainer.max_memory_per_rank is None and trainer.accelerator != "cuda"):
+        return None
+    if trainer.max_memory_per_rank is not None:
+        budget = trainer.max_memory_per_rank
+        why = f"max_memory_per_rank={format_bytes(budget)}"
+    else:
+        free = min(trainer.strategy.all_gather_object(local_device_memory(trainer)))
+        budget = int(free * AUTO_MARGIN)
+        why = f"{AUTO_MARGIN:.0%} of the {format_bytes(free)} free on the fullest GPU"
+    plan = make_plan(trainer, module, train_dataloaders=train_dataloaders)
+    try:
+        name = plan.choose(budget)
+    except ValueError as error:
+        raise ValueError(f"strategy='auto' with {why}: {error} (see trainer.plan(module))") from None
+    if trainer.is_global_zero:
+        print(f"strategy='auto' ({why}) chose {plan.explain(name, budget)}", flush=True)
+    return get_strategy(name)
