@@ -2,7 +2,8 @@
 
 from .base import Strategy
 from .ddp import DDPStrategy
-from .fsdp import FSDPStrategy, MixedPrecision
+from .fsdp import FSDPStrategy
+from .options import MixedPrecision
 from .registry import STRATEGIES, get_strategy
 from .sharding import mark_as_unit
 from .single import SingleDeviceStrategy

@@ -3,7 +3,6 @@ all-gathered just before it computes and freed right after."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,23 +10,9 @@ from torch import nn
 
 from .base import Strategy
 from .checkpointing import apply_activation_checkpointing
+from .options import MixedPrecision, check_hybrid_shard, shard_group_size
 from .sharding import FULL_SHARD, UnitOptions
 from .wrap import resolve_wrap_policy
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Compute with parameters gathered in `param_dtype` and reduce gradients in `reduce_dtype` (default: the
-    param dtype); master weights and optimizer state stay in the parameters' own dtype (fp32)."""
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise TypeError(f"MixedPrecision: {name} must be a floating torch.dtype or None, got {value!r}")
 
 
 class FSDPStrategy(Strategy):
@@ -42,6 +27,7 @@ class FSDPStrategy(Strategy):
         reshard_after_forward: bool = True,
         mixed_precision: MixedPrecision | None = None,
         activation_offload: bool = False,
+        hybrid_shard: int | str | None = None,
     ) -> None:
         super().__init__()
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
@@ -56,6 +42,7 @@ class FSDPStrategy(Strategy):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload, self.activation_offload = cpu_offload, activation_offload
         self.mixed_precision = mixed_precision or MixedPrecision()
+        self.hybrid_shard = check_hybrid_shard("FSDPStrategy", hybrid_shard)
 
     def model_init_context(self) -> Any:
         """configure_model builds on the meta device: no memory until each rank materializes its shards."""
@@ -64,7 +51,7 @@ class FSDPStrategy(Strategy):
     def engine_options(self) -> dict[str, Any]:
         options = UnitOptions(self.mixed_precision.param_dtype, self.mixed_precision.reduce_dtype, self.cpu_offload)
         return {"wrap_policy": self.auto_wrap_policy, "reshard_after_forward": self.reshard_after_forward,
-                "unit_options": options,
+                "unit_options": options, "shard_group_size": shard_group_size(self.hybrid_shard, self.world_size),
                 "forward_context": self._offload_activations if self.activation_offload else None}
 
     def _offload_activations(self) -> Any:

@@ -16,11 +16,12 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {
     "zero1": lambda: ZeroStrategy(stage=1),
     "zero2": lambda: ZeroStrategy(stage=2),
     "fsdp": FSDPStrategy,
+    "hsdp": lambda: FSDPStrategy(hybrid_shard="node"),
 }
 
 
 def get_strategy(name: str) -> Strategy:
-    """A new strategy by name: one of "single", "ddp", "zero1", "zero2", "fsdp"."""
+    """A new strategy by name: one of "single", "ddp", "zero1", "zero2", "fsdp", "hsdp"."""
     if name not in STRATEGIES:
         raise ValueError(
             f"strategy={name!r} is not known; choose one of {['auto', *STRATEGIES]} or pass a Strategy"

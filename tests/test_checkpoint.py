@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback, ModelCheckpoint
-from strategies import FSDPStrategy, get_strategy
+from strategies import FSDPStrategy, ZeroStrategy, get_strategy
 from tests.ranks import ROOT
 from trainer import Trainer, TrainModule, seed_everything
 from trainer import checkpoint as ckpt_io
@@ -80,7 +80,14 @@ def loader(world_size: int = 1) -> DataLoader:
 
 
 def make_strategy(name: str):
-    return FSDPStrategy(auto_wrap_policy={nn.Sequential}) if name == "fsdp" else get_strategy(name)
+    """A name of get_strategy, or "hsdp2" / "zero2-hybrid2": hybrid sharding in groups of 2 ranks."""
+    if name == "fsdp":
+        return FSDPStrategy(auto_wrap_policy={nn.Sequential})
+    if name == "hsdp2":
+        return FSDPStrategy(auto_wrap_policy={nn.Sequential}, hybrid_shard=2)
+    if name == "zero2-hybrid2":
+        return ZeroStrategy(stage=2, hybrid_shard=2)
+    return get_strategy(name)
 
 
 def make_trainer(root: str, strategy: str, devices: int, max_steps: int, **kwargs) -> Trainer:

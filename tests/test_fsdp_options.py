@@ -475,16 +475,20 @@ def test_cpu_and_activation_offload_give_the_same_weights(rank_pool):
 # --------------------------------------------------------------------------------- options need fsdp's spec
 
 
-def test_engine_refuses_unit_options_without_sharded_parameters():
-    options = [UnitOptions(param_dtype=torch.bfloat16), UnitOptions(reduce_dtype=torch.float32),
-               UnitOptions(offload_to_cpu=True)]
-    for spec in (REPLICATED, ZERO1, ZERO2):
+def test_engine_refuses_unit_options_where_they_cannot_work():
+    """Mixed precision needs a sharded optimizer state (it keeps the fp32 masters); replicated gradients are
+    reduced in the param dtype; CPU offloading needs sharded parameters."""
+    bf16, reduce32 = UnitOptions(param_dtype=torch.bfloat16), UnitOptions(reduce_dtype=torch.float32)
+    offload = UnitOptions(offload_to_cpu=True)
+    refused = {REPLICATED: [bf16, reduce32, offload], ZERO1: [reduce32, offload], ZERO2: [offload]}
+    for spec, options in refused.items():
         for option in options:
-            with pytest.raises(ValueError, match=r"need sharded parameters \(fsdp\)"):
+            with pytest.raises(ValueError, match=r"needs|reduced in param_dtype"):
                 ShardingEngine(new_model(), spec, unit_options=option)
-    for option in options:  # the same options are accepted where parameters are sharded
-        engine = ShardingEngine(new_model(), FULL_SHARD, unit_options=option)
-        assert engine.unit_options == option
+    accepted = {ZERO1: [bf16], ZERO2: [bf16, reduce32], FULL_SHARD: [bf16, reduce32, offload]}
+    for spec, options in accepted.items():
+        for option in options:
+            assert ShardingEngine(new_model(), spec, unit_options=option).unit_options == option
 
 
 # --------------------------------------------------------------- mixed precision keeps norm layers in fp32

@@ -75,6 +75,8 @@ def engine_cases() -> dict[str, tuple]:
         "fsdp": (FULL_SHARD, block_policy, None),
         "fsdp-root-only": (FULL_SHARD, None, None),
         "fsdp-bf16": (FULL_SHARD, block_policy, torch.bfloat16),
+        "zero1-bf16": (ZERO1, None, torch.bfloat16),
+        "zero2-bf16": (ZERO2, None, torch.bfloat16),
     }
 
 

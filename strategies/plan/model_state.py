@@ -11,13 +11,15 @@ state tensors per parameter (Adam: 2) in the master dtype m (the parameters' own
 | zero2 | m P        | m P / N   | K m P / N |
 | fsdp  | m P / N    | m P / N   | K m P / N |
 
-With a param dtype p (MixedPrecision(param_dtype=...)) and reduce dtype r (default p), as in the ZeRO paper
-(Rajbhandari et al. 2019): ddp, zero1 and zero2 hold replicated parameters in p and gradients in r (sharded for
-zero2), and the optimizer holds an fp32 master copy besides its state, (1 + K) m P, sharded for zero1 and zero2.
-fsdp, as the engine does it, keeps one master shard m P / N that is both the parameters and the master copy (the
-gathered copy is cast to p) and its gradient shard in m, so its sum equals the paper's (2 + 2 + 12) P / N for
-mixed-precision Adam although the split differs. The engine does not yet run ddp or ZeRO with a param dtype; the
-plan describes them as the paper does.
+With a param dtype p (MixedPrecision(param_dtype=...)) and reduce dtype r (default p), as the engine runs it:
+zero1 and zero2 hold replicated parameters in p, and the optimizer holds this rank's fp32 master slice besides its
+state, (1 + K) m P / N, as in the ZeRO paper (Rajbhandari et al. 2019). Gradients: zero1 keeps its bucket in p
+plus the slice its optimizer reads in m, p P + m P / N; zero2 reduces into a shard in m, m P / N (the paper counts
+r P / N: the optimizer needs gradients in the master's dtype, so the engine keeps them so rather than converting
+at each step). fsdp keeps one master shard m P / N that is both the parameters and the master copy (the gathered
+copy is cast to p) and its gradient shard in m. So mixed-precision Adam costs (2 + 2 + 12) P / N under fsdp, as in
+the paper, and zero1 / zero2 hold 2 P / N more than the paper's figures (1.5% at its 7.5B on 64 ranks). ddp with a
+param dtype (the engine refuses it: mixed precision needs a sharded master) is planned as the paper has it.
 """
 
 from __future__ import annotations
@@ -122,7 +124,15 @@ def _unit_bytes(unit: PlannedUnit, spec: ShardingSpec, rank: int, states: int,
     if unit.compute_dtype == unit.dtype:
         return layout.padded_total * master, grad_elements * master, states * owned * master
     reduce = (reduce_dtype or unit.compute_dtype).itemsize
-    return layout.padded_total * unit.compute_dtype.itemsize, grad_elements * reduce, (1 + states) * owned * master
+    own = layout.shard_size if spec.shard_optimizer_state else layout.padded_total  # elements this rank steps
+    if spec.shard_gradients:
+        gradients = own * master * unit.has_trainable
+    elif spec.shard_optimizer_state:  # the bucket, and the slice the optimizer reads in the master's dtype
+        gradients = (layout.padded_total * reduce + own * master) * unit.has_trainable
+    else:  # ddp: the engine does not run it with a param dtype; as the paper describes it
+        gradients = layout.padded_total * reduce * unit.has_trainable
+    optimizer = own * master + states * owned * master  # the master copy, the states
+    return layout.padded_total * unit.compute_dtype.itemsize, gradients, optimizer
 
 
 def units_in_flight(units: list[PlannedUnit], spec: ShardingSpec) -> int:

@@ -27,6 +27,7 @@ from torch import nn
 
 from .collectives import CommStats, wait
 from .forward import ForwardHooks
+from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .spec import ShardingSpec, UnitOptions
 from .unit import ShardUnit
@@ -48,17 +49,18 @@ class ShardingEngine:
         device: torch.device | None = None,
         unit_options: UnitOptions | None = None,
         forward_context: Callable[[], AbstractContextManager] | None = None,
+        shard_group_size: int | None = None,
     ) -> None:
-        self.module, self.spec, self.group = module, spec, group
+        self.module, self.spec = module, spec
+        self.unit_options = unit_options or UnitOptions()
+        _check_options(spec, self.unit_options)
         self.device = device or next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
         meta_ids = replace_meta_parameters(module, self.device)
         self._meta_ids = meta_ids
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.unit_options = unit_options or UnitOptions()
+        self.groups = make_groups(group, shard_group_size)
+        self.group = self.groups.shard  # the ranks that share one copy of the state
+        self.rank, self.world_size = self.groups.rank, self.groups.size  # within it
         self._full_precision_units: set[str] = set()
-        if self.unit_options != UnitOptions() and not spec.shard_parameters:
-            raise ValueError("mixed precision and CPU offloading of the engine need sharded parameters (fsdp)")
         self.stats = CommStats()
         self.optimizers: list[torch.optim.Optimizer] = []
         self.sync_gradients = True
@@ -71,23 +73,20 @@ class ShardingEngine:
         self._reduce_order = self.units  # built in the order backward is expected to finish them
         self._next_reduce = 0
         if meta_ids or has_meta_buffers(module):
-            materialize(module, meta_ids, self.device, self._write_full_parameter, group)
+            materialize(module, meta_ids, self.device, self._write_full_parameter, self.groups.everyone)
         self._hooks: list[Any] = []  # removable handles of every hook the engine put on the model
         self._register_grad_hooks()
         self._register_zero_grad(module, None)
         self.forward_hooks = ForwardHooks(self, reshard_after_forward, forward_context)
-        if spec.shard_parameters:
+        if spec.shard_parameters or self.unit_options.param_dtype is not None:
             self._hooks += self.forward_hooks.register()
 
     # ---- setup --------------------------------------------------------------------------------------
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers are the truth (parameters are broadcast per unit, see _build_units)."""
-        if self.world_size > 1:
+        if self.groups.data_parallel_size > 1:
             for b in (b for b in self.module.buffers() if not b.is_meta):
-                dist.broadcast(b.data, src=self._source_rank(), group=self.group)
-
-    def _source_rank(self) -> int:
-        return dist.get_global_rank(self.group, 0) if self.group else 0
+                dist.broadcast(b.data, src=self.groups.source, group=self.groups.everyone)
 
     def _build_units(self, wrap_policy: WrapPolicy | None) -> list[ShardUnit]:
         if self.spec.shard_parameters:
@@ -121,9 +120,9 @@ class ShardingEngine:
 
     def _broadcast_params(self, params: list[tuple[str, nn.Parameter]]) -> None:
         params = [(n, p) for n, p in params if id(p) not in self._meta_ids]  # broadcast as they materialize
-        if self.world_size > 1 and params:
+        if self.groups.data_parallel_size > 1 and params:
             flat = torch.cat([p.detach().reshape(-1) for _, p in params])
-            dist.broadcast(flat, src=self._source_rank(), group=self.group)
+            dist.broadcast(flat, src=self.groups.source, group=self.groups.everyone)
             offset = 0
             with torch.no_grad():
                 for _, p in params:
@@ -140,10 +139,7 @@ class ShardingEngine:
                 f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                 "wrap the modules of each dtype as separate units"
             )
-        return ShardUnit(
-            name, params, self.spec, self.rank, self.world_size, self.group, self.stats, module, self.device,
-            options,
-        )
+        return ShardUnit(name, params, self.spec, self.groups, self.stats, module, self.device, options)
 
     def _register_grad_hooks(self) -> None:
         # A tensor's hooks are held from C++, where the garbage collector cannot see a cycle through them, so
@@ -350,7 +346,7 @@ class ShardingEngine:
     def iter_full_parameters(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
         """Unit by unit, the full parameter tensors in master precision (names of the first registration)."""
         for unit in self.units:
-            full = unit.gather_full_master() if self.spec.shard_parameters else unit.full_flat
+            full = unit.full_flat if unit.master_is_in_full_flat else unit.gather_full_master()
             yield unit.param_names, unit.layout.views(full)
 
     def _write_full_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
@@ -366,6 +362,17 @@ class ShardingEngine:
 
     def unit_of(self, param: nn.Parameter) -> tuple[ShardUnit, int]:
         return self._unit_of_param[id(param)]
+
+
+def _check_options(spec: ShardingSpec, options: UnitOptions) -> None:
+    if options.offload_to_cpu and not spec.shard_parameters:
+        raise ValueError("CPU offloading needs sharded parameters (fsdp)")
+    if options.param_dtype is not None and not spec.shard_optimizer_state:
+        raise ValueError("mixed precision needs a sharded optimizer state (zero1, zero2 or fsdp), which keeps the "
+                         "full-precision master weights")
+    if not spec.shard_gradients and options.reduce_dtype not in (None, options.param_dtype):
+        raise ValueError("with replicated gradients (zero1) gradients are reduced in param_dtype; leave "
+                         "reduce_dtype=None or use zero2 / fsdp")
 
 
 class _InstanceAttribute:

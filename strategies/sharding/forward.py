@@ -42,6 +42,8 @@ class ForwardHooks:
         self._context: AbstractContextManager | None = None
 
     def register(self) -> list[Any]:
+        if not self.engine.spec.shard_parameters:
+            return self._register_input_casts()
         handles = []
         for unit in self.engine.units:
             if unit is not self.root:
@@ -49,6 +51,13 @@ class ForwardHooks:
         for module in self._root_modules():
             handles += self._hook(module, self.root)
         return handles
+
+    def _register_input_casts(self) -> list[Any]:
+        """zero1/zero2 under mixed precision: the replicated parameters are in the compute dtype, so floating
+        inputs of every module holding parameters (or containing such) are cast to it, as FSDP2 does."""
+        dtype = self.engine.units[0].compute_dtype
+        cast = lambda _m, args, kwargs: (cast_floating(args, dtype), cast_floating(kwargs, dtype))  # noqa: E731
+        return [m.register_forward_pre_hook(cast, with_kwargs=True) for m in self._root_modules()]
 
     def _hook(self, module: nn.Module, unit: ShardUnit | None) -> list[Any]:
         return [
@@ -59,8 +68,9 @@ class ForwardHooks:
     def _root_modules(self) -> list[nn.Module]:
         """The root, and every module outside the wrapped units that holds a root-unit parameter or contains one
         that does (so calling it directly gathers them too)."""
-        wrapped = {id(u.module) for u in self.engine.units if u is not self.root}
-        root_params = {id(p) for p in self.root.params} if self.root else set()
+        wrapped = {id(u.module) for u in self.engine.units if u is not self.root and u.module is not None}
+        roots = [self.root] if self.root else [u for u in self.engine.units if u.module is None]  # fsdp, or buckets
+        root_params = {id(p) for unit in roots for p in unit.params}
         chosen: dict[int, nn.Module] = {}
 
         def visit(module: nn.Module) -> bool:
@@ -96,7 +106,7 @@ class ForwardHooks:
         if self.depth == 1:
             self._start_pass()
         if unit is None or unit is self.root:
-            return None
+            return self._cast_inputs(unit, args, kwargs)
         unit.unshard()
         args, kwargs = self._cast_inputs(unit, args, kwargs)
         self.order.append(unit)
@@ -143,10 +153,12 @@ class ForwardHooks:
                 unit.reshard()
 
     def _cast_inputs(self, unit: ShardUnit | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Full-precision units (norm layers under mixed precision) compute in their own dtype."""
-        if unit is None or unit.name not in self.engine._full_precision_units:
+        """Under mixed precision floating inputs are cast to the unit's compute dtype (as FSDP2's
+        cast_forward_inputs); full-precision units (norm layers) cast their output back to the input's dtype."""
+        if unit is None or unit.compute_dtype == unit.dtype and unit.name not in self.engine._full_precision_units:
             return args, kwargs
-        unit.input_dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
+        if unit.name in self.engine._full_precision_units:
+            unit.input_dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
         return cast_floating(args, unit.compute_dtype), cast_floating(kwargs, unit.compute_dtype)
 
     def _cast_output(self, unit: ShardUnit | None, output: Any) -> Any:

@@ -54,12 +54,20 @@ class ReplicatedGradients:
         self.used: list[bool] | None = None  # by the last reduction; None while nothing is reduced
         self._work: Work = None
         self._launched = False
-        lo, hi = layout.shard_range(unit.rank)
-        self.own = self.flat[lo:hi] if unit.spec.shard_optimizer_state else self.flat  # what this rank steps
+        sharded = unit.spec.shard_optimizer_state
+        self._own_range = layout.shard_range(unit.rank) if sharded else (0, layout.padded_total)
+        self.own = self._own_view()  # what this rank's optimizer steps from, in the master's dtype
+
+    def _own_view(self) -> torch.Tensor:
+        lo, hi = self._own_range
+        master_dtype = self.unit.dtype
+        return self.flat[lo:hi] if self.flat.dtype == master_dtype else self.flat[lo:hi].to(master_dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
+        """The bucket, and under mixed precision the slice the optimizer reads, in the master's dtype."""
+        copy = self.own.numel() * self.own.element_size() if self.flat.dtype != self.unit.dtype else 0
+        return self.flat.numel() * self.flat.element_size() + copy
 
     def on_grad_ready(self, index: int) -> None:
         """Move autograd's fresh tensor into the bucket (accumulation into the view itself happens in place)."""
@@ -77,7 +85,7 @@ class ReplicatedGradients:
                 self.views[index].zero_()
                 self.zeroed[index] = True
         self.flags.copy_(torch.tensor(has_grad, dtype=self.flags.dtype))
-        self._work = all_reduce_sum(self.buffer, self.unit.group, self.unit.stats, async_op=True)
+        self._work = all_reduce_sum(self.buffer, self.unit.groups.everyone, self.unit.stats, async_op=True)
         self._launched = True
 
     def finish(self) -> None:
@@ -86,9 +94,10 @@ class ReplicatedGradients:
         with self.unit.naming_failures("gradient reduction"):
             wait(self._work)
         self._work, self._launched = None, False
-        self.buffer.div_(self.unit.world_size)
+        self.buffer.div_(self.unit.groups.data_parallel_size)
         self.used = (self.flags > 0).tolist()
         self.zeroed = [not used for used in self.used]  # every region now holds the average of all ranks
+        self.own = self._own_view()  # (a copy in the master's dtype under mixed precision)
 
     def attach(self) -> None:
         """After a reduction: `.grad` is the averaged gradient where some rank used the parameter, else None."""
@@ -101,8 +110,7 @@ class ReplicatedGradients:
             shard = self.unit.shard_params[piece.param_index]
             if shard.requires_grad:
                 used = self.used[piece.param_index]
-                offset = self.unit.layout.offsets[piece.param_index]
-                shard.grad = self.flat[offset + piece.start : offset + piece.end] if used else None
+                shard.grad = self.own[piece.shard_offset : piece.shard_offset + piece.numel] if used else None
         self.used = None
 
     def zero(self, indices: list[int], set_to_none: bool = True) -> None:
@@ -175,13 +183,15 @@ class ShardedGradients:
         unit = self.unit
         with unit.naming_failures("gradient reduction"):
             wait(self._work)
+            if unit.groups.replicate is not None:  # hybrid: then across the groups holding the same shard
+                all_reduce_sum(self._output, unit.groups.replicate, unit.stats, async_op=False)
         size = unit.layout.shard_size
         reduced = self._output.to(unit.shard_device, unit.master.dtype)  # read at once: no non_blocking
         self.used |= reduced[size:].cpu() > 0
         if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
-            self.shard = reduced[:size].mul_(1.0 / unit.world_size)
+            self.shard = reduced[:size].mul_(1.0 / unit.groups.data_parallel_size)
         else:
-            self.shard.add_(reduced[:size], alpha=1.0 / unit.world_size)
+            self.shard.add_(reduced[:size], alpha=1.0 / unit.groups.data_parallel_size)
         self._work = self._output = None
         for p in unit.params:
             p.grad = None

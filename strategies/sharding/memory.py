@@ -29,6 +29,9 @@ def memory_report(engine: ShardingEngine) -> dict[str, int]:
         # A sharded gradient exists from the first reduction of a step until zero_grad; counted at that size.
         report["gradients"] += unit.grads.nbytes
         report["padding"] += pad
-    report["optimizer_state"] = engine.optimizer_state_bytes
+    # ZeRO counts the full-precision master copy of mixed precision among the optimizer states (its K = 12).
+    masters = sum(_nbytes(u.master) for u in engine.units if not engine.spec.shard_parameters
+                  and not u.master_is_in_full_flat)
+    report["optimizer_state"] = engine.optimizer_state_bytes + masters
     report["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report

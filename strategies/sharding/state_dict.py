@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .engine import ShardingEngine
@@ -39,8 +38,11 @@ def _standalone(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _owned_pieces(engine: ShardingEngine) -> list[tuple[str, int, int, torch.Tensor, torch.Tensor]]:
-    """(name, start, end, parameter data, optimizer parameter) for what this rank is responsible for."""
+    """(name, start, end, parameter data, optimizer parameter) for what this rank is responsible for (the first
+    copy only, under hybrid sharding)."""
     out = []
+    if engine.groups.replica != 0:
+        return out
     for unit in engine.units:
         if engine.spec.shard_optimizer_state:
             for piece in unit.pieces:
@@ -62,7 +64,7 @@ def model_pieces(engine: ShardingEngine) -> Pieces:
     pieces = {
         name: _piece(_shape_of(engine, name), s, e, data) for name, s, e, data, _ in _owned_pieces(engine)
     }
-    if engine.rank == 0:
+    if engine.rank == 0 and engine.groups.replica == 0:
         params = {id(p) for p in engine.module.parameters()}
         for key, value in engine.module.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor) and id(value) not in params:
@@ -201,7 +203,7 @@ def gather_optimizer_state_pieces(
     local = optimizer_pieces(engine, optimizer)
     for unit in engine.units:
         part = {**local, "state": {n: local["state"][n] for n in unit.param_names if n in local["state"]}}
-        if engine.world_size == 1 or not dist.is_initialized():
+        if engine.groups.data_parallel_size == 1:
             yield [part]
             continue
         yield gather_to_rank_zero(part)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from torch import nn
 
 from .collectives import CommStats, Work, all_gather, wait
 from .gradients import NoGradients, ReplicatedGradients, ShardedGradients
+from .groups import Groups
 from .layout import FlatLayout, Piece
 from .placeholder import mark_sharded, mark_unsharded
 from .spec import ShardingSpec, UnitOptions
@@ -37,20 +37,18 @@ class ShardUnit:
         name: str,
         params: list[tuple[str, nn.Parameter]],
         spec: ShardingSpec,
-        rank: int,
-        world_size: int,
-        group: Any,
+        groups: Groups,
         stats: CommStats,
         module: nn.Module | None = None,
         device: torch.device | None = None,
         options: UnitOptions | None = None,
     ) -> None:
-        self.name, self.module, self.spec = name, module, spec
-        self.rank, self.world_size, self.group, self.stats = rank, world_size, group, stats
+        self.name, self.module, self.spec, self.groups, self.stats = name, module, spec, groups, stats
+        self.rank, self.world_size, self.group = groups.rank, groups.size, groups.shard  # in the shard group
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.trainable = [p.requires_grad for p in self.params]
-        self.layout = FlatLayout([p.shape for p in self.params], world_size)
+        self.layout = FlatLayout([p.shape for p in self.params], self.world_size)
         options = options or UnitOptions()
         self.dtype = self.params[0].dtype  # of the master weights and of checkpoints
         self.compute_dtype = options.param_dtype or self.dtype  # of the gathered parameters
@@ -71,19 +69,19 @@ class ShardUnit:
     # ---- construction -------------------------------------------------------------------------------
     def _build_parameter_buffers(self) -> None:
         """The flat buffer of full parameters (which every parameter becomes a view of) and, when optimizer
-        state is sharded, this rank's master slice. With replicated parameters the owned slice of the full
-        buffer is the master; under fsdp the full buffer is freed between uses, so the master is a copy, kept
-        in full precision (and in CPU memory with offloading) whatever the compute dtype."""
+        state is sharded, this rank's master slice. With replicated parameters in full precision the owned slice
+        of the full buffer is the master; under fsdp the full buffer is freed between uses, and under mixed
+        precision it holds the compute dtype, so the master is then a copy, kept in full precision (and in CPU
+        memory with offloading)."""
         full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             full[self.layout.total :].zero_()
             for view, p in zip(self.layout.views(full), self.params):
                 view.copy_(p.detach())  # (parameters made on the meta device are written later, materialize.py)
         lo, hi = self.layout.shard_range(self.rank)
-        if self.spec.shard_parameters:
-            self.master = full[lo:hi].clone().to(self.shard_device)
-        elif self.spec.shard_optimizer_state:
-            self.master = full[lo:hi]
+        self.master_is_in_full_flat = not self.spec.shard_parameters and self.compute_dtype == self.dtype
+        if self.spec.shard_optimizer_state:
+            self.master = full[lo:hi] if self.master_is_in_full_flat else full[lo:hi].clone().to(self.shard_device)
         self.full_flat = full.to(self.compute_dtype)
         self._full_views = self.layout.views(self.full_flat)  # made once: they outlive the storage's resizes
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
@@ -171,22 +169,24 @@ class ShardUnit:
     def write_full_parameter(self, index: int, value: torch.Tensor) -> None:
         """Store a full value of parameter `index`: only this rank's piece when parameters are sharded."""
         with torch.no_grad():
-            if self.spec.shard_parameters:
+            if not self.master_is_in_full_flat:
                 for piece in self.pieces:
                     if piece.param_index == index:
                         target = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
                         target.copy_(value.reshape(-1)[piece.start : piece.end])
-            else:
+            if not self.spec.shard_parameters:
                 offset, n = self.layout.offsets[index], self.layout.numels[index]
                 self.full_flat[offset : offset + n].copy_(value.reshape(-1))
 
     def gather_replicas_after_step(self) -> Work:
         """zero1/zero2: every rank updated its slice of the replicated parameters; start sharing them."""
         lo, hi = self.layout.shard_range(self.rank)
+        if not self.master_is_in_full_flat:
+            self.full_flat[lo:hi].copy_(self.master)  # to the compute dtype
         return all_gather(self.full_flat, self.full_flat[lo:hi], self.group, self.stats, async_op=True)
 
     def gather_full_master(self) -> torch.Tensor:
-        """fsdp: every rank's master slice gathered into a new full-precision flat tensor."""
+        """Every rank's master slice gathered into a new full-precision flat tensor (fsdp, mixed precision)."""
         full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
         with self.naming_failures("all-gather of the full parameters"):
             all_gather(full, self.master.to(self.device), self.group, self.stats, async_op=False)

@@ -1,0 +1,50 @@
+"""Which ranks share one copy of the model state, and which hold copies of the same shard.
+
+Without hybrid sharding every data-parallel rank shares one copy (one shard group, no replication). With
+`shard_group_size=G` (FSDP's HYBRID_SHARD, FSDP2's 2-D mesh, ZeRO++'s hpZ) the ranks form groups of G consecutive
+ranks that shard among themselves, and the ranks at the same place in each group hold the same shard: gradients
+are reduce-scattered within a group and then all-reduced across the groups, so the slower links between machines
+carry only a 1/G slice of the gradients and never the parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Groups:
+    everyone: Any  # the data-parallel group (None: the default group); gradients are averaged over it
+    shard: Any  # ranks that share one copy of the state
+    replicate: Any  # ranks that hold the same shard (None: one copy)
+    rank: int  # in the shard group
+    size: int  # of the shard group
+    data_parallel_size: int
+    replica: int  # which copy this rank belongs to
+
+    @property
+    def source(self) -> int:
+        """The global rank whose values every rank starts from."""
+        return dist.get_global_rank(self.everyone, 0) if self.everyone is not None else 0
+
+
+def make_groups(everyone: Any = None, shard_group_size: int | None = None) -> Groups:
+    """Collective when `shard_group_size` splits the ranks: every rank must call it, in the same order."""
+    if not dist.is_initialized():
+        return Groups(everyone, everyone, None, 0, 1, 1, 0)
+    world = dist.get_world_size(everyone)
+    if shard_group_size is None or shard_group_size == world:
+        return Groups(everyone, everyone, None, dist.get_rank(everyone), world, world, 0)
+    if not 1 <= shard_group_size <= world or world % shard_group_size:
+        raise ValueError(
+            f"hybrid_shard={shard_group_size} must divide the {world} data-parallel ranks into equal groups; "
+            f"choose one of {[g for g in range(1, world + 1) if world % g == 0]}"
+        )
+    ranks = dist.get_process_group_ranks(everyone) if everyone is not None else list(range(world))
+    size = shard_group_size
+    shard, _ = dist.new_subgroups_by_enumeration([ranks[i : i + size] for i in range(0, world, size)])
+    replicate, _ = dist.new_subgroups_by_enumeration([ranks[offset::size] for offset in range(size)])
+    return Groups(everyone, shard, replicate, dist.get_rank(shard), size, world, dist.get_rank(replicate))
