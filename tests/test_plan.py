@@ -212,7 +212,7 @@ def test_command_line_json(capsys):
     plan_main(["examples.gpt:gpt_quickstart", "--world-size", "2", "--batch-size", "2", "--seq-len", "32",
                "--wrap", "Block", "--json"])
     plan = json.loads(capsys.readouterr().out)
-    assert list(plan) == list(STRATEGY_ORDER)
+    assert list(plan) == [name for name in STRATEGY_ORDER if name != "hsdp"]  # hsdp: with --hybrid-shard or nodes
     for name, row in plan.items():
         assert list(row) == list(KINDS), name
         assert all(isinstance(v, int) and v >= 0 for v in row.values()), row
@@ -226,7 +226,7 @@ def test_command_line_json(capsys):
 def test_command_line_table(capsys):
     plan_main(["examples.gpt:gpt_quickstart", "--world-size", "2", "--seq-len", "32", "--device-memory", "1GiB"])
     out = capsys.readouterr().out
-    for name in STRATEGY_ORDER:
+    for name in ("ddp", "zero1", "zero2", "fsdp"):
         assert name in out
     assert "1.00 GiB" in out and "least communication" in out
 
@@ -347,3 +347,18 @@ def test_command_line_errors(capsys, argv, message):
         plan_main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_hybrid_sharding_is_planned_as_fsdp_over_its_group():
+    """hsdp's model state is fsdp's over G ranks (replicated across the groups); with several nodes it is
+    planned by default with G = the ranks of one node."""
+    model, sample = TiedLM(), token_dataset()[0]
+    plan = plan_memory(model, world_size=8, hybrid_shard=2, wrap_policy={Block}, sample=sample)
+    over_two = plan_memory(model, world_size=2, wrap_policy={Block}, sample=sample).strategies["fsdp"]
+    assert plan.strategies["hsdp"].model_state == over_two.model_state
+    assert plan.strategies["fsdp"].model_state < plan.strategies["hsdp"].model_state
+    assert "hsdp" in plan.to_json() and "hsdp" not in plan_memory(model, world_size=8, sample=sample).to_json()
+    by_nodes = plan_memory(model, world_size=8, nodes=4, wrap_policy={Block}, sample=sample)
+    assert by_nodes.strategies["hsdp"].model_state == over_two.model_state
+    with pytest.raises(ValueError, match="hybrid_shard=3"):
+        plan_memory(model, world_size=8, hybrid_shard=3, sample=sample)

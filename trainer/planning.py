@@ -50,6 +50,8 @@ def make_plan(trainer: Trainer, module: Any, batch_size: int | None = None, seq_
                    "activation_checkpointing": strategy.activation_checkpointing,
                    "param_dtype": strategy.mixed_precision.param_dtype,
                    "reduce_dtype": strategy.mixed_precision.reduce_dtype}
+        if isinstance(strategy.hybrid_shard, int):
+            options["hybrid_shard"] = strategy.hybrid_shard
     return plan_memory(module, world_size=trainer.world_size, nodes=trainer.num_nodes, batch_size=batch_size,
                        seq_len=seq_len, precision=trainer.precision.precision, device_memory=device_memory,
                        sample=sample, **options)

@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                         "TrainModule, e.g. examples.gpt:gpt_100m or examples.llama:llama_7b")
     p.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1)")
     p.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over (default 1)")
+    p.add_argument("--hybrid-shard", type=int, metavar="G", help="also plan hsdp: fsdp sharded within groups of G "
+                   "ranks, replicated across them (default with --nodes > 1: the ranks of one node)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank (default 1)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model config's block_size, "
                                                 "max_seq_len or max_position_embeddings)")
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         memory, where = None, ""
     try:
         plan = plan_memory(
-            model, world_size=args.world_size, nodes=args.nodes, batch_size=args.batch_size, seq_len=args.seq_len,
+            model, world_size=args.world_size, nodes=args.nodes, hybrid_shard=args.hybrid_shard,
+            batch_size=args.batch_size, seq_len=args.seq_len,
             precision=args.precision, param_dtype=DTYPES.get(args.param_dtype),
             reduce_dtype=DTYPES.get(args.reduce_dtype), optimizer=args.optimizer,
             wrap_policy=class_policy(parser, model, "--wrap", args.wrap),

@@ -17,7 +17,7 @@ from .model_state import check_optimizer, model_state_bytes, optimizer_kind
 from .report import STRATEGY_ORDER, MemoryPlan
 from .sizes import format_bytes, parse_bytes
 
-SPECS = dict(zip(STRATEGY_ORDER, (REPLICATED, ZERO1, ZERO2, FULL_SHARD)))
+SPECS = {"ddp": REPLICATED, "zero1": ZERO1, "zero2": ZERO2, "fsdp": FULL_SHARD}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -94,14 +94,19 @@ def plan_memory(
     activation_checkpointing: Any = None,
     device_memory: int | str | None = None,
     sample: Any = None,
+    hybrid_shard: int | None = None,
 ) -> MemoryPlan:
     """Bytes per rank for every strategy. `model` (an nn.Module or TrainModule, best built on the meta device) is
     not changed. `batch_size` and `seq_len` are per rank (seq_len defaults to the model config's); `param_dtype`
     and `reduce_dtype` are MixedPrecision's; `optimizer` an OPTIMIZER_STATES name (default: what the module's
     configure_optimizers returns, else adamw); `wrap_policy` and `activation_checkpointing` take FSDPStrategy's
     forms (no wrap policy: the whole model is one fsdp unit); `sample` is one sample of the training data, whose
-    shapes make the batch when the module has no example_input."""
+    shapes make the batch when the module has no example_input. `hybrid_shard` (default: the ranks of one node
+    when there are several nodes) adds hsdp: fsdp sharded within groups of that many ranks."""
     _check(world_size, nodes, batch_size, seq_len, precision)
+    group = hybrid_shard if hybrid_shard is not None else (world_size // nodes if nodes > 1 else None)
+    if group is not None and (not isinstance(group, int) or group < 1 or world_size % group):
+        raise ValueError(f"hybrid_shard={group!r} must divide world_size={world_size}")
     meta = meta_copy(model)
     if not any(True for _ in meta.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters to plan")
@@ -110,9 +115,12 @@ def plan_memory(
     optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
     check_optimizer(optimizer)
     seq_len = seq_len if seq_len is not None else default_seq_len(meta)
-    shard_over = world_size  # hybrid sharding would shard over its group of G ranks here and replicate across
-    rows = {name: model_state_bytes(meta, spec, shard_over, wrap_policy=wrap_policy, param_dtype=param_dtype,
-                                    reduce_dtype=reduce_dtype, optimizer=optimizer) for name, spec in SPECS.items()}
+    shard_over = {name: world_size if name != "hsdp" else group for name in STRATEGY_ORDER}  # least comm. first
+    if group is None:
+        del shard_over["hsdp"]  # hsdp: sharded within a group of G ranks, replicated across the groups
+    rows = {name: model_state_bytes(meta, SPECS.get(name, FULL_SHARD), ranks, wrap_policy=wrap_policy,
+                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer)
+            for name, ranks in shard_over.items()}
     activations = activation_bytes(meta, batch_size, seq_len, precision, param_dtype,
                                    resolve_wrap_policy(activation_checkpointing), sample)
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
@@ -123,6 +131,7 @@ def plan_memory(
         f"{nodes} node(s); per rank: batch {batch_size}" + (f" x {seq_len}" if seq_len else "")
         + f", precision {precision}{cast}, optimizer {optimizer}",
         "fsdp units: " + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
+        + (f"; hsdp shards within groups of {group} ranks" if group is not None else "")
         + ("; activation checkpointing by its policy" if activation_checkpointing is not None else ""),
     ]
     if budget is not None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from .sizes import format_bytes
 
-STRATEGY_ORDER = ("ddp", "zero1", "zero2", "fsdp")  # least communication first
+STRATEGY_ORDER = ("ddp", "zero1", "zero2", "hsdp", "fsdp")  # least communication first (hsdp: when planned)
 KINDS = ("parameters", "gradients", "optimizer", "units_in_flight", "activations")
 
 
