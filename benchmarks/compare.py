@@ -17,6 +17,9 @@ touches all alike:
   floor        the compute floor: each rank trains a plain model with plain AdamW on the same per-rank batch,
                with no communication (both ranks at once, so they share the machine as the others do)
   floor-solo   (not run by default) rank 0 alone does the floor's work while rank 1 waits
+  hsdp, torch-hsdp   (not run by default; for --ranks 4) hybrid sharding in groups of 2 ranks: this project's
+               FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=2), and fully_shard per Block + root on a 2-D
+               (replicate, shard) device mesh, torch's HSDP
 
 Every round builds each variant anew from the same seed and runs --warmup untimed and --steps timed AdamW steps
 on the same per-rank batches of stdlib source text. A step is timed on rank 0 between two barriers; the table shows
@@ -62,17 +65,19 @@ from examples.gpt import GPT, GPT_PRESETS, Block, GPTConfig, TextWindows, load_c
 
 MiB = 2**20
 VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "fsdp", "floor")
-EXTRA_VARIANTS = ("floor-solo",)
-COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero", "zero2": "torch-ddp", "fsdp": "torch-fsdp"}
-AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "fsdp")  # same numbers as torch-ddp
+EXTRA_VARIANTS = ("floor-solo", "hsdp", "torch-hsdp")
+HSDP_GROUP = 2  # ranks that shard among themselves in the hsdp variants
+COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero", "zero2": "torch-ddp", "fsdp": "torch-fsdp",
+               "hsdp": "torch-hsdp"}
+AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "torch-hsdp", "ddp", "zero1", "zero2", "fsdp", "hsdp")
 
 
 def theory_bytes(variant: str, params: int, world: int) -> float:
     """Per-rank model-state bytes (fp32 Adam) of DESIGN.md's table; torch's variants as their counterparts."""
     p, n = params, world
-    kind = {"torch-ddp": "ddp", "torch-zero": "zero1", "torch-fsdp": "fsdp"}.get(variant, variant)
+    kind = {"torch-ddp": "ddp", "torch-zero": "zero1", "torch-fsdp": "fsdp", "torch-hsdp": "hsdp"}.get(variant, variant)
     return {"ddp": 16 * p, "zero1": 8 * p + 8 * p / n, "zero2": 4 * p + 12 * p / n, "fsdp": 16 * p / n,
-            "floor": 16 * p, "floor-solo": 16 * p}[kind]
+            "hsdp": 16 * p / HSDP_GROUP, "floor": 16 * p, "floor-solo": 16 * p}[kind]
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -120,9 +125,10 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
         else:
             opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
         return _plain_step(ddp, model, opt), None, None
-    if name == "torch-fsdp":
+    if name in ("torch-fsdp", "torch-hsdp"):
         from torch.distributed.fsdp import fully_shard
 
+        mesh = mesh[name]
         for block in model.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -131,7 +137,8 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
     from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
 
     strategy = {"ddp": DDPStrategy, "zero1": lambda: ZeroStrategy(stage=1), "zero2": lambda: ZeroStrategy(stage=2),
-                "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block})}[name]()
+                "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}),
+                "hsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=HSDP_GROUP)}[name]()
     model = strategy.setup_module(model)
     opt = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
     return _plain_step(model, model, opt), strategy.engine, strategy.teardown
@@ -196,11 +203,14 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     variants = args.variants.split(",")
-    mesh = None
-    if "torch-fsdp" in variants:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
+    mesh = {}
+    if "torch-fsdp" in variants:
+        mesh["torch-fsdp"] = init_device_mesh("cpu", (world,))
+    if "torch-hsdp" in variants:  # fully_shard on a 2-D mesh: replicate across groups, shard within
+        mesh["torch-hsdp"] = init_device_mesh("cpu", (world // HSDP_GROUP, HSDP_GROUP),
+                                              mesh_dim_names=("replicate", "shard"))
     config = model_config(args)
     batches = batches_for_rank(config, args, rank, world)
     process_rss = rss_bytes("VmRSS:")

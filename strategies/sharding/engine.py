@@ -202,9 +202,9 @@ class ShardingEngine:
             self._reduce_order[self._next_reduce].grads.launch()
             self._next_reduce += 1
             if self.spec.shard_gradients and self._next_reduce > REDUCTIONS_IN_FLIGHT:
-                # Finish an older reduction now so that its full-size gradient buffer is freed during backward,
+                # Advance an older reduction now so that its full-size gradients are freed during backward,
                 # keeping gradient memory at the shard plus a couple of units, as the ZeRO table expects.
-                self._reduce_order[self._next_reduce - 1 - REDUCTIONS_IN_FLIGHT].grads.finish()
+                self._reduce_order[self._next_reduce - 1 - REDUCTIONS_IN_FLIGHT].grads.advance()
 
     def finish_backward(self) -> None:
         """Launch the reductions of units whose gradients did not all arrive (unused parameters), wait for all,

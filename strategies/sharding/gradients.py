@@ -30,6 +30,7 @@ class NoGradients:
 
     def on_grad_ready(self, index: int) -> None: ...
     def launch(self) -> None: ...
+    def advance(self) -> None: ...
     def finish(self) -> None: ...
     def attach(self) -> None: ...
     def zero(self, indices: list[int], set_to_none: bool = True) -> None: ...
@@ -99,6 +100,8 @@ class ReplicatedGradients:
         self.zeroed = [not used for used in self.used]  # every region now holds the average of all ranks
         self.own = self._own_view()  # (a copy in the master's dtype under mixed precision)
 
+    def advance(self) -> None: ...  # an all-reduce frees nothing before it is done
+
     def attach(self) -> None:
         """After a reduction: `.grad` is the averaged gradient where some rank used the parameter, else None."""
         if self.used is None:
@@ -143,6 +146,7 @@ class ShardedGradients:
         self.used = torch.zeros(len(unit.params), dtype=torch.bool)  # since zero, by any rank
         self._work: Work = None
         self._output: torch.Tensor | None = None
+        self._across_groups = False  # hybrid: the reduce-scatter is done, the all-reduce across groups in flight
 
     @property
     def nbytes(self) -> int:
@@ -177,14 +181,40 @@ class ShardedGradients:
                                    device=unit.device)
         self._work = reduce_scatter_parts(self._output, self._parts(), unit.group, unit.stats, async_op=True)
 
+    def advance(self) -> None:
+        """Free what backward no longer needs: the `.grad` tensors, once the reduce-scatter has sent them. Under
+        hybrid sharding the all-reduce across the groups is then started, and waited for by `finish`."""
+        if self._output is None or self._across_groups:
+            return
+        if self.unit.groups.replicate is None:
+            self.finish()  # nothing more to send: add it to the shard now, freeing the output
+        else:
+            self._start_across_groups()
+
+    def _wait_reduce_scatter(self) -> None:
+        with self.unit.naming_failures("gradient reduction"):
+            wait(self._work)
+        for p in self.unit.params:
+            p.grad = None
+        self._work = None
+
+    def _start_across_groups(self) -> None:
+        self._wait_reduce_scatter()
+        unit = self.unit
+        self._work = all_reduce_sum(self._output, unit.groups.replicate, unit.stats, async_op=True)
+        self._across_groups = True
+
     def finish(self) -> None:
         if self._output is None:
             return
         unit = self.unit
-        with unit.naming_failures("gradient reduction"):
-            wait(self._work)
-            if unit.groups.replicate is not None:  # hybrid: then across the groups holding the same shard
-                all_reduce_sum(self._output, unit.groups.replicate, unit.stats, async_op=False)
+        if unit.groups.replicate is not None and not self._across_groups:
+            self._start_across_groups()
+        if self._across_groups:
+            with unit.naming_failures("gradient reduction across groups"):
+                wait(self._work)
+        else:
+            self._wait_reduce_scatter()
         size = unit.layout.shard_size
         reduced = self._output.to(unit.shard_device, unit.master.dtype)  # read at once: no non_blocking
         self.used |= reduced[size:].cpu() > 0
@@ -193,8 +223,7 @@ class ShardedGradients:
         else:
             self.shard.add_(reduced[:size], alpha=1.0 / unit.groups.data_parallel_size)
         self._work = self._output = None
-        for p in unit.params:
-            p.grad = None
+        self._across_groups = False
 
     def attach(self) -> None:
         """Point each trainable shard parameter's `.grad` at its slice (None where no rank had a gradient)."""
