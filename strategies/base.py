@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec
 from .sharding import state_dict as engine_state
 
@@ -33,12 +34,17 @@ class Strategy:
     name = "custom"
     spec: ShardingSpec = ShardingSpec()
 
-    def __init__(self) -> None:
+    def __init__(self, compile: Any = None, compile_options: dict[str, Any] | None = None) -> None:
         self.engine: ShardingEngine | None = None
         self.root_device = torch.device("cpu")
         self.world_size = 1
         self.global_rank = 0
         self._connected = False
+        self.compile = resolve_compile(type(self).__name__, compile)
+        if compile_options is not None and not isinstance(compile_options, dict):
+            raise TypeError(f"{type(self).__name__}: compile_options must be a dict of torch.compile's keyword "
+                            f"arguments (e.g. {{'mode': 'max-autotune'}}), got {compile_options!r}")
+        self.compile_options = dict(compile_options or {})
 
     # ---- environment --------------------------------------------------------------------------------
     def connect(self, device: torch.device, world_size: int, global_rank: int) -> None:
@@ -104,6 +110,9 @@ class Strategy:
         # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, **self.engine_options())
+        if self.compile is not None:
+            units = [u.module for u in self.engine.units if u.module is not None and u.module is not module]
+            compile_in_place(modules_to_compile(module, self.compile, units), self.compile_options)
         return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -28,8 +28,13 @@ class FSDPStrategy(Strategy):
         mixed_precision: MixedPrecision | None = None,
         activation_offload: bool = False,
         hybrid_shard: int | str | None = None,
+        compile: Any = None,
+        compile_options: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__()
+        """`compile`: True (every wrapped unit; the root's forward without a wrap policy), a set of module classes
+        or a callable (module, name) -> bool; each chosen module's forward is torch.compile'd in place, with
+        `compile_options` (torch.compile's keyword arguments), the engine's hooks outside."""
+        super().__init__(compile, compile_options)
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
         self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing)

@@ -12,16 +12,22 @@ from .sharding import ZERO1, ZERO2, UnitOptions
 class ZeroStrategy(Strategy):
     """`mixed_precision`: replicated parameters and gradients in `param_dtype`, full-precision master weights and
     optimizer state sharded, as in the ZeRO paper (stage 1 reduces gradients in `param_dtype`).
-    `hybrid_shard=G`: shard within groups of G ranks, replicate across the groups (ZeRO++'s hpZ)."""
+    `hybrid_shard=G`: shard within groups of G ranks, replicate across the groups (ZeRO++'s hpZ).
+    `compile`: as DDPStrategy's."""
 
     def __init__(
-        self, stage: int = 1, mixed_precision: MixedPrecision | None = None, hybrid_shard: int | str | None = None
+        self,
+        stage: int = 1,
+        mixed_precision: MixedPrecision | None = None,
+        hybrid_shard: int | str | None = None,
+        compile: Any = None,
+        compile_options: dict[str, Any] | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroStrategy: stage={stage!r}; choose 1 or 2 (use FSDPStrategy for stage 3)")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"ZeroStrategy: mixed_precision must be a MixedPrecision or None, got {mixed_precision!r}")
-        super().__init__()
+        super().__init__(compile, compile_options)
         self.stage = stage
         self.spec = ZERO1 if stage == 1 else ZERO2
         self.name = f"zero{stage}"

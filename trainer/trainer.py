@@ -51,6 +51,7 @@ class Trainer:
         sync_batchnorm: bool = False,
         check_val_every_n_epoch: int = 1,
         max_memory_per_rank: int | str | None = None,
+        compile: bool = False,
     ) -> None:
         # Every argument is checked here, before any rank is started.
         self.accelerator = config.check_accelerator(accelerator)
@@ -73,6 +74,10 @@ class Trainer:
         config.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
         if sync_batchnorm and self.accelerator != "cuda":
             raise ValueError("sync_batchnorm=True needs accelerator='cuda': torch's SyncBatchNorm runs on GPUs only")
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile={compile!r} must be a bool; choose the modules with the strategy's own "
+                            "compile= (e.g. FSDPStrategy(compile={Block}))")
+        self.compile = compile
         self.max_memory_per_rank = planning.check_memory_budget(strategy, max_memory_per_rank)
         self.strategy = self._resolve_strategy(strategy, devices * num_nodes)
         self._auto_strategy = strategy == "auto"  # the plan may decide again once fit knows the module
@@ -276,6 +281,8 @@ class Trainer:
         if self.sync_batchnorm:
             module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         self.precision.convert_module(module)
+        if self.compile and self.strategy.compile is None:
+            self.strategy.compile = True  # the strategy's units (see strategies/compile.py)
         self.strategy.setup_module(module)
         return module
 
