@@ -65,16 +65,19 @@ from examples.gpt import GPT, GPT_PRESETS, Block, GPTConfig, TextWindows, load_c
 
 MiB = 2**20
 VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "fsdp", "floor")
-EXTRA_VARIANTS = ("floor-solo", "hsdp", "torch-hsdp")
+COMPILED_VARIANTS = ("floor+compile", "ddp+compile", "fsdp+compile", "torch-fsdp+compile")
+EXTRA_VARIANTS = ("floor-solo", "hsdp", "torch-hsdp", *COMPILED_VARIANTS)
 HSDP_GROUP = 2  # ranks that shard among themselves in the hsdp variants
 COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero", "zero2": "torch-ddp", "fsdp": "torch-fsdp",
-               "hsdp": "torch-hsdp"}
-AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "torch-hsdp", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+               "hsdp": "torch-hsdp", "ddp+compile": "torch-ddp", "fsdp+compile": "torch-fsdp+compile"}
+AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "torch-hsdp", "ddp", "zero1", "zero2", "fsdp", "hsdp",
+             "ddp+compile", "fsdp+compile", "torch-fsdp+compile")
 
 
 def theory_bytes(variant: str, params: int, world: int) -> float:
     """Per-rank model-state bytes (fp32 Adam) of DESIGN.md's table; torch's variants as their counterparts."""
     p, n = params, world
+    variant = variant.removesuffix("+compile")
     kind = {"torch-ddp": "ddp", "torch-zero": "zero1", "torch-fsdp": "fsdp", "torch-hsdp": "hsdp"}.get(variant, variant)
     return {"ddp": 16 * p, "zero1": 8 * p + 8 * p / n, "zero2": 4 * p + 12 * p / n, "fsdp": 16 * p / n,
             "hsdp": 16 * p / HSDP_GROUP, "floor": 16 * p, "floor-solo": 16 * p}[kind]
@@ -107,9 +110,14 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def build(name: str, config: GPTConfig, lr: float, mesh):
-    """A fresh model of the variant (same seed everywhere): step(x, y) -> loss, the engine if any, and close()."""
+    """A fresh model of the variant (same seed everywhere): step(x, y) -> loss, the engine if any, and close().
+    A "+compile" variant compiles each Block (torch.compile, inductor) as torchtitan does."""
     rank = dist.get_rank()
     model = GPT(config)
+    name, compiled = name.removesuffix("+compile"), name.endswith("+compile")
+    if compiled and name in ("floor", "torch-fsdp"):
+        for i, block in enumerate(model.h):  # torchtitan: compile each block, then (torch-fsdp) shard it
+            model.h[i] = torch.compile(block)
     if name in ("floor", "floor-solo"):
         if name == "floor-solo" and rank != 0:
             return (lambda x, y: None), None, None
@@ -136,8 +144,11 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
 
     from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
 
-    strategy = {"ddp": DDPStrategy, "zero1": lambda: ZeroStrategy(stage=1), "zero2": lambda: ZeroStrategy(stage=2),
-                "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}),
+    compile_ = {Block} if compiled else None
+    strategy = {"ddp": lambda: DDPStrategy(compile=compile_),
+                "zero1": lambda: ZeroStrategy(stage=1, compile=compile_),
+                "zero2": lambda: ZeroStrategy(stage=2, compile=compile_),
+                "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, compile=compile_),
                 "hsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=HSDP_GROUP)}[name]()
     model = strategy.setup_module(model)
     opt = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
@@ -162,7 +173,7 @@ def run_variant(name: str, config: GPTConfig, batches: list, args, mesh, measure
     if measure_memory:
         release_and_reset_peak()
     setup_rss = rss_bytes("VmRSS:")
-    times, cpu, loss = [], [], None
+    times, cpu, loss, first = [], [], None, None
     for i, (x, y) in enumerate(batches):
         if i == args.warmup and engine is not None and hasattr(engine, "stats"):
             engine.stats.reset()
@@ -170,10 +181,12 @@ def run_variant(name: str, config: GPTConfig, batches: list, args, mesh, measure
         start, start_cpu = time.perf_counter(), time.process_time()
         loss = step(x, y)
         dist.barrier()
+        if i == 0:
+            first = time.perf_counter() - start  # with compilation, for the compiled variants
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-    out = {"times": times, "cpu": cpu, "loss": None if loss is None else loss.item()}
+    out = {"times": times, "cpu": cpu, "first": first, "loss": None if loss is None else loss.item()}
     if measure_memory:
         out.update(peak_rss=rss_bytes("VmHWM:"), setup_rss=setup_rss)
     if engine is not None and hasattr(engine, "stats") and args.steps:
@@ -206,7 +219,7 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = {}
-    if "torch-fsdp" in variants:
+    if any(v.startswith("torch-fsdp") for v in variants):
         mesh["torch-fsdp"] = init_device_mesh("cpu", (world,))
     if "torch-hsdp" in variants:  # fully_shard on a 2-D mesh: replicate across groups, shard within
         mesh["torch-hsdp"] = init_device_mesh("cpu", (world // HSDP_GROUP, HSDP_GROUP),
@@ -237,6 +250,7 @@ def worker(args) -> None:
             summary["variants"][v] = {
                 "times": results[v]["times"],
                 "cpu": results[v]["cpu"],
+                "first": results[v].get("first"),
                 "loss": sum(losses) / len(losses) if losses else None,
                 "peak_rss": [g["variants"][v]["peak_rss"] for g in gathered],
                 "setup_rss": [g["variants"][v]["setup_rss"] for g in gathered],
@@ -326,15 +340,17 @@ def report(preset: str, summary: dict, args) -> str:
     lines = [f"### {preset}: {p / 1e6:.1f}M parameters, batch {args.batch_size} x {args.block_size} tokens per rank, "
              f"{world} ranks, {len(next(iter(rows.values()))['times'])} timed steps per variant",
              "",
-             "| variant | median step (s) | fastest (s) | vs torch | vs floor | CPU s per step | "
+             "| variant | median step (s) | fastest (s) | first step (s) | vs torch | vs floor | CPU s per step | "
              "peak RSS per rank (MiB) | model-state theory (MiB) | final loss |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for v, r in rows.items():
         other = COUNTERPART.get(v)
         vs_torch = f"{med[v] / med[other]:.2f} x {other}" if other in med else ""
         vs_floor = f"{med[v] / floor:.2f}" if floor and v != floor_name else ""
         peak = " / ".join(f"{b / MiB:.0f}" for b in r["peak_rss"] if b is not None)
-        cells = [v, f"{med[v]:.3f}", f"{min(r['times']):.3f}", vs_torch, vs_floor, f"{median(r['cpu']):.2f}", peak,
+        first = f"{r['first']:.1f}" if r.get("first") is not None else ""
+        cells = [v, f"{med[v]:.3f}", f"{min(r['times']):.3f}", first, vs_torch, vs_floor, f"{median(r['cpu']):.2f}",
+                 peak,
                  f"{theory_bytes(v, p, world) / MiB:.0f}", _loss_cell(v, r["loss"], reference)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")

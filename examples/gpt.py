@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the project importable wi
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from callbacks import Callback, LearningRateMonitor, ModelCheckpoint  # noqa: E402
+from strategies import FSDPStrategy  # noqa: E402
 from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------- data
@@ -316,7 +317,9 @@ class PrintValLoss(Callback):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", default="ddp", choices=["auto", "ddp", "zero1", "zero2", "fsdp"])
+    p.add_argument("--strategy", default="ddp", choices=["auto", "ddp", "zero1", "zero2", "fsdp", "hsdp"],
+                   help="fsdp and hsdp make each Block a unit")
+    p.add_argument("--compile", action="store_true", help="torch.compile each Block (fsdp, hsdp) or the whole GPT")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-steps", type=int, default=400)
@@ -369,8 +372,12 @@ def main(argv: list[str] | None = None) -> None:
     val_loader = DataLoader(val_set, batch_size=args.batch_size)
     module = GPTModule(config, lr=args.lr, warmup_steps=args.warmup_steps, max_steps=args.max_steps)
 
+    strategy = args.strategy
+    if strategy in ("fsdp", "hsdp"):
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard="node" if strategy == "hsdp" else None)
     trainer = Trainer(
-        strategy=args.strategy,
+        strategy=strategy,
+        compile=args.compile,
         devices=args.devices,
         accelerator=args.accelerator,
         precision=args.precision,
