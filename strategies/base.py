@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.nn.functional import all_gather as differentiable_all_gather
+from torch.utils._pytree import tree_map
 
 from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec
@@ -87,6 +89,22 @@ class Strategy:
         out = tensor.detach().clone().to(self.root_device)
         dist.all_reduce(out, op=REDUCE_OPS[op])
         return out / self.world_size if op == "mean" else out
+
+    def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
+        """Every rank's tensors in `data` (a tensor or a tree of them), stacked along a new first dimension;
+        with `sync_grads` differentiable (torch.distributed.nn's all_gather)."""
+
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            tensor = tensor.to(self.root_device).contiguous()
+            if not self.distributed:
+                return tensor.unsqueeze(0)
+            if sync_grads:
+                return torch.stack(differentiable_all_gather(tensor))
+            out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(out, tensor)
+            return torch.stack(out)
+
+        return tree_map(lambda x: gather(x) if isinstance(x, torch.Tensor) else x, data)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)

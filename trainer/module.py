@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from .hparams import AttributeDict
+from .hparams import collect as collect_hparams
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -17,7 +21,7 @@ class TrainModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
-        self.hparams: dict[str, Any] = {}
+        self.hparams = AttributeDict()
 
     @property
     def trainer(self) -> Trainer:
@@ -39,9 +43,33 @@ class TrainModule(nn.Module):
     def device(self) -> torch.device:
         return self.trainer.strategy.root_device if self._trainer else torch.device("cpu")
 
-    def save_hyperparameters(self, **hparams: Any) -> None:
-        """Record hyperparameters (logged to TensorBoard and saved in checkpoints)."""
-        self.hparams.update(hparams)
+    @property
+    def global_rank(self) -> int:
+        return self.trainer.global_rank if self._trainer else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.trainer.local_rank if self._trainer else 0
+
+    def save_hyperparameters(self, *args: Any, ignore: Any = None, **hparams: Any) -> None:
+        """Record hyperparameters (logged to TensorBoard, saved in checkpoints, used by `load_from_checkpoint`).
+        With no arguments, every argument `__init__` was called with (as Lightning); or the named ones
+        (`save_hyperparameters("lr", "hidden")`), one dict or Namespace, or keywords. `ignore`: names to leave out."""
+        frame = inspect.currentframe().f_back
+        try:
+            self.hparams.update(collect_hparams(frame, self, args, ignore, hparams))
+        finally:
+            del frame
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """print() on rank 0 only."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)
+
+    def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
+        """Every rank's tensors (a tensor or any tree of them), stacked along a new first dimension of the world
+        size. With `sync_grads` the gather is differentiable (each rank gets the gradient of its own part)."""
+        return self.trainer.strategy.all_gather(data, sync_grads=sync_grads)
 
     def log(
         self,

@@ -169,6 +169,7 @@ class Trainer:
         )
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        self.local_rank = env.local_rank if env else 0
         self.strategy.connect(device, world_size, rank)
         if self.logger is not None:
             self.logger.rank = rank
