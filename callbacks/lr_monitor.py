@@ -80,10 +80,10 @@ class LearningRateMonitor(Callback):
         found: list[tuple[str, Optimizer, str | None]] = []
         seen: set[int] = set()
         for config in trainer.lr_scheduler_configs:
-            optimizer = _unwrap(config["scheduler"].optimizer)
+            optimizer = _unwrap(config.scheduler.optimizer)
             if id(optimizer) not in seen:
                 seen.add(id(optimizer))
-                found.append((config.get("name") or _default_name(optimizer), optimizer, config["interval"]))
+                found.append((config.name or _default_name(optimizer), optimizer, config.interval))
         for optimizer in map(_unwrap, trainer.optimizers):
             if id(optimizer) not in seen:
                 seen.add(id(optimizer))

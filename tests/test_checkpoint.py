@@ -435,7 +435,7 @@ class Snapshot(Callback):
             "epoch": trainer.current_epoch,
             "batches_done": trainer.state.batches_done_in_epoch,
             "lr": optimizer.param_groups[0]["lr"],
-            "scheduler_epoch": trainer.lr_scheduler_configs[0]["scheduler"].last_epoch,
+            "scheduler_epoch": trainer.lr_scheduler_configs[0].scheduler.last_epoch,
             "adam_steps": sorted({float(s["step"]) for s in optimizer.state.values()}),
         }
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .data import limit_batches, set_epoch
+from .optimizers import step_schedulers
 from .seed import rng_state, set_rng_state
 from .state import move_to_device
 
@@ -107,9 +108,7 @@ class StepRunner:
         epoch_metrics = t.metrics.end_epoch()
         self._log(epoch_metrics)
         t._call("on_train_epoch_end")
-        for cfg in t.lr_scheduler_configs:
-            if cfg["interval"] == "epoch" and (t.current_epoch + 1) % cfg["frequency"] == 0:
-                cfg["scheduler"].step()
+        step_schedulers(t, "epoch", t.current_epoch + 1)
         t.state.epoch += 1
         t.state.batches_done_in_epoch = 0
         t.should_stop = self.strategy.reduce_boolean_decision(t.should_stop, all=False)
@@ -190,9 +189,7 @@ class StepRunner:
             self.optimizer.step()
         self.optimizer.zero_grad()
         t.state.global_step += 1
-        for cfg in t.lr_scheduler_configs:
-            if cfg["interval"] == "step" and t.global_step % cfg["frequency"] == 0:
-                cfg["scheduler"].step()
+        step_schedulers(t, "step", t.global_step)
         step_metrics = t.metrics.pop_step_metrics()
         if t.global_step % t.log_every_n_steps == 0:
             self._log(step_metrics)

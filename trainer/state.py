@@ -14,9 +14,6 @@ from .seed import rng_state, set_rng_state
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-INTERVALS = ("epoch", "step")
-
-
 @dataclass
 class TrainerState:
     stage: str = "fit"
@@ -36,51 +33,6 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: move_to_device(v, device) for k, v in batch.items()}
     return batch
-
-
-def _scheduler_config(scheduler: Any) -> dict[str, Any]:
-    if isinstance(scheduler, dict):
-        if "scheduler" not in scheduler:
-            raise ValueError("configure_optimizers: an lr_scheduler dict needs a 'scheduler' key")
-        cfg = {"interval": "epoch", "frequency": 1, "name": None, **scheduler}
-    else:
-        cfg = {"scheduler": scheduler, "interval": "epoch", "frequency": 1, "name": None}
-    if cfg["interval"] not in INTERVALS:
-        raise ValueError(f"lr_scheduler interval={cfg['interval']!r}; choose one of {list(INTERVALS)}")
-    return cfg
-
-
-def configure_optimizers(
-    module: Any, strategy: Any
-) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]], list[list[list[str]]]]:
-    """Call the module's configure_optimizers (after the strategy set the model up) and normalise the result:
-    optimizers, scheduler configs, and the parameter names of each optimizer's groups."""
-    result = module.configure_optimizers()
-    scheduler = None
-    if isinstance(result, torch.optim.Optimizer):
-        optimizer = result
-    elif (
-        isinstance(result, (tuple, list))
-        and len(result) == 2
-        and isinstance(result[0], torch.optim.Optimizer)
-    ):
-        optimizer, scheduler = result
-    elif isinstance(result, dict) and isinstance(result.get("optimizer"), torch.optim.Optimizer):
-        optimizer, scheduler = result["optimizer"], result.get("lr_scheduler")
-    else:
-        raise TypeError(
-            "configure_optimizers must return an optimizer, (optimizer, scheduler) or "
-            f"{{'optimizer': ..., 'lr_scheduler': ...}}; got {type(result).__name__}"
-        )
-    names = _param_group_names(module, optimizer)  # before the strategy swaps parameters for shards
-    optimizer = strategy.setup_optimizer(optimizer)
-    configs = [_scheduler_config(scheduler)] if scheduler is not None else []
-    return [optimizer], configs, [names]
-
-
-def _param_group_names(module: Any, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    name_of = {id(p): name for name, p in module.named_parameters()}
-    return [[name_of[id(p)] for p in group["params"] if id(p) in name_of] for group in optimizer.param_groups]
 
 
 def checkpoint_state(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
@@ -200,7 +152,7 @@ def _trainer_state(trainer: Trainer) -> dict[str, Any]:
         callbacks[cb.state_key] = cb.state_dict()
     return {
         "state": asdict(trainer.state),
-        "lr_schedulers": [cfg["scheduler"].state_dict() for cfg in trainer.lr_scheduler_configs],
+        "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
         "callbacks": callbacks,
         "precision": trainer.precision.state_dict(),
         "hparams": dict(trainer.module.hparams),
@@ -234,7 +186,7 @@ def restore_checkpoint(trainer: Trainer, path: str, weights_only: bool) -> None:
         trainer.strategy.load_optimizer_state(optimizer, saved["state"], saved["param_groups"])
     saved = checkpoint["trainer"]
     for cfg, sched_state in zip(trainer.lr_scheduler_configs, saved["lr_schedulers"]):
-        cfg["scheduler"].load_state_dict(sched_state)
+        cfg.scheduler.load_state_dict(sched_state)
     for key, value in saved["state"].items():
         setattr(trainer.state, key, value)
     trainer.precision.load_state_dict(saved["precision"])

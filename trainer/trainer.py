@@ -20,8 +20,9 @@ from .data import distributed_loader
 from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
+from .optimizers import SchedulerConfig, configure_optimizers
 from .precision import Precision, check_precision
-from .state import TrainerState, configure_optimizers
+from .state import TrainerState
 
 
 class Trainer:
@@ -99,7 +100,7 @@ class Trainer:
         self.metrics = MetricCollector(reduce_mean=lambda t: self.strategy.all_reduce(t, "mean"))
         self.module: TrainModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
-        self.lr_scheduler_configs: list[dict[str, Any]] = []
+        self.lr_scheduler_configs: list[SchedulerConfig] = []
         self.param_group_names: list[list[list[str]]] = []  # by optimizer, by group
         self.should_stop = False
         self.ckpt_path: str | None = None
