@@ -7,6 +7,7 @@ from callbacks.loggers import Logger, TensorBoardLogger
 from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_checkpoint import ModelCheckpoint
 from callbacks.progress import ProgressBar
+from callbacks.throughput import ThroughputMonitor
 
 __all__ = [
     "Callback",
@@ -16,4 +17,5 @@ __all__ = [
     "ModelCheckpoint",
     "ProgressBar",
     "TensorBoardLogger",
+    "ThroughputMonitor",
 ]

@@ -18,6 +18,7 @@ from callbacks import (
     ModelCheckpoint,
     ProgressBar,
     TensorBoardLogger,
+    ThroughputMonitor,
 )
 from trainer import Trainer, TrainModule
 from trainer.checkpoint import load_trainer_state
@@ -251,6 +252,26 @@ def test_lr_monitor_logs_every_group_once_per_optimizer_step(tmp_path):
     assert scalars(events, "lr-SGD/pg1") == [(s, pytest.approx(0.1 * 0.5 ** (s // 2))) for s in range(4)]
     assert scalars(events, "lr-SGD/pg2") == [(s, pytest.approx(0.01 * 0.5 ** (s // 2))) for s in range(4)]
     assert [v for _, v in scalars(events, "lr-SGD/pg1-momentum")] == [0.0] * 4
+
+
+def test_throughput_monitor_logs_samples_items_and_flops_per_second(tmp_path):
+    """Regression runs Linear(4, 1) twice per batch of 4 (the loss, and a logged MAE) and backpropagates the loss
+    to the weight only: 2 x 32 + 32 = 96 FLOPs per batch, counted once by torch's FlopCounterMode."""
+    monitor = ThroughputMonitor(length_fn=lambda batch: 10 * len(batch[0]))
+    trainer = make_trainer(tmp_path, callbacks=[monitor], log_every_n_steps=2)
+    trainer.fit(Regression(), loader(), None)
+    assert monitor.flops_per_batch == 96
+    events = read_events(trainer.log_dir)
+    steps = [step for step, _ in scalars(events, "device/samples_per_sec")]
+    assert steps == [2, 4, 6, 8]
+    for (_, samples), (_, items), (_, flops) in zip(scalars(events, "device/samples_per_sec"),
+                                                    scalars(events, "device/items_per_sec"),
+                                                    scalars(events, "device/flops_per_sec")):
+        assert samples > 0 and items == pytest.approx(10 * samples, rel=1e-4)
+        assert flops == pytest.approx(96 / 4 * samples, rel=1e-4)
+    assert scalars(events, "samples_per_sec") == scalars(events, "device/samples_per_sec")  # one rank
+    with pytest.raises(TypeError, match="batch_size_fn"):
+        ThroughputMonitor(batch_size_fn=3)
 
 
 def test_lr_monitor_needs_a_logger(tmp_path):
