@@ -75,7 +75,7 @@ def test_hparams_are_read_as_attributes_and_taken_from_init():
     model = Model(16, dropout=0.5)
     assert model.hparams == {"hidden_dim": 16, "lr": 0.1, "dropout": 0.5}
     assert model.hparams.hidden_dim == 16 and isinstance(model.hparams, AttributeDict)
-    assert Wider(width=2, lr=0.3).hparams == {"hidden_dim": 8, "lr": 0.3}  # the frame that called it
+    assert Wider(width=2, lr=0.3).hparams == {"width": 2, "hidden_dim": 8, "lr": 0.3}  # the subclasses' too
     with pytest.raises(AttributeError, match="no hyperparameter 'depth'"):
         _ = model.hparams.depth
 
