@@ -334,8 +334,8 @@ def test_a_second_fit_on_the_same_trainer_is_an_error(rank_pool):
 
 
 def body_bf16_true(name: str) -> dict:
-    trainer = Trainer(strategy=strategy(name), devices=2, max_steps=3, precision="bf16-true", **QUIET)
-    trainer.fit(Probe(), loader(32), loader(8))
+    trainer = Trainer(strategy=strategy(name), devices=2, max_epochs=1, precision="bf16-true", **QUIET)
+    trainer.fit(Probe(), loader(24), loader(8))  # 3 steps, then validation
     return {"val": float(trainer.callback_metrics["val/loss"]), "step": trainer.global_step,
             "dtypes": {w.dtype for w in trainer.strategy.full_state_dict().values()}}
 
