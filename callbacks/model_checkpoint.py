@@ -73,6 +73,7 @@ class ModelCheckpoint(Callback):
         self._dirpath_resolved = False
         self._pending_state: dict[str, Any] | None = None
         self._restored_paths: set[str] = set()  # checkpoints this callback wrote in the run it resumes
+        self._epoch_ended = False  # in this fit: only then is a monitored metric never logged an error
 
     @property
     def state_key(self) -> str:
@@ -86,6 +87,7 @@ class ModelCheckpoint(Callback):
         dirpath = self.dirpath or _realpath(os.path.join(root, "checkpoints"))
         self.dirpath = trainer.strategy.broadcast(dirpath, src=0)
         self._dirpath_resolved = True
+        self._epoch_ended = False
         if stage == "fit" and trainer.is_global_zero and os.path.isdir(dirpath):
             _remove_staging_leftovers(dirpath)
             if os.listdir(dirpath):
@@ -102,6 +104,7 @@ class ModelCheckpoint(Callback):
             self._save(trainer, strict=False)  # a validation metric may not exist yet: warn, save only `last`
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._epoch_ended = True
         if self._on_train_epoch_end(trainer) and self._epoch_due(trainer) and not self._skip(trainer):
             self._save(trainer, strict=True)
 
@@ -110,7 +113,7 @@ class ModelCheckpoint(Callback):
             self._save(trainer, strict=True)
 
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if self.monitor is None or self.save_top_k == 0 or trainer.sanity_checking:
+        if self.monitor is None or self.save_top_k == 0 or not self._epoch_ended or trainer.sanity_checking:
             return
         logged = [k for k in broadcast_metrics(trainer) if k not in ("epoch", "step")]
         if self.monitor not in logged:

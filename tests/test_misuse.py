@@ -213,6 +213,29 @@ def test_iterable_data_of_uneven_length_ends_the_epoch_on_every_rank_together(ra
     assert "rank 0: 2" in ranks[0]["warnings"][0] and "rank 1: 0" in ranks[0]["warnings"][0]
 
 
+def body_uneven_stream_evaluation(name: str, counts: list[list[int]]) -> list[tuple[float, list[int]]]:
+    trainer = Trainer(strategy=strategy(name), devices=2, timeout=10, **QUIET)
+    module = Probe()
+    results = []
+    for per_rank in counts:
+        module.seen = []
+        metrics = trainer.validate(module, DataLoader(RankStream(per_rank), batch_size=2))[0]
+        results.append((metrics["val/loss"], module.seen))
+    return results
+
+
+def test_iterable_evaluation_data_of_uneven_length_is_evaluated_in_full(rank_pool):
+    counts = [[7, 2], [3, 0]]  # 4 batches against 1; a rank with none at all
+    ranks = rank_pool(2).run(body_uneven_stream_evaluation, "fsdp", counts)
+    for i, per_rank in enumerate(counts):
+        assert [r[i][1] for r in ranks] == [list(range(n)) for n in per_rank]
+        _, x, y = samples(max(per_rank)).tensors
+        index = torch.cat([torch.arange(n) for n in per_rank])
+        with torch.no_grad():
+            want = F.mse_loss(Probe()(x[index]), y[index]).item()
+        assert ranks[0][i][0] == pytest.approx(want, rel=1e-5) and ranks[1][i][0] == pytest.approx(want, rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- 4. validation that never runs
 
 

@@ -32,10 +32,15 @@ def agree(
     check_loss = check_loss and not skip
     if not strategy.distributed:
         return Agreement(skip, check_loss and not bool(torch.isfinite(loss)), stop, not has_next)
-    flags = torch.tensor([skip, False, stop, not has_next], dtype=torch.float32, device=strategy.root_device)
+    # The four counts travel as the digits of one integer in base world_size + 1 (a digit summed over the ranks
+    # never carries): gloo all-reduces one element in about half the time of four (~0.6 against ~1.2 ms here).
+    base = strategy.world_size + 1
+    local = sum(int(flag) * base**i for i, flag in enumerate((skip, False, stop, not has_next)))
+    packed = torch.tensor(local, dtype=torch.int64, device=strategy.root_device)
     if check_loss:
-        flags[1] = (~torch.isfinite(loss.detach())).float()  # stays on the device: one sync, in the all-reduce
-    skipping, nonfinite, stopping, ran_out = (int(n) for n in strategy.all_reduce(flags, op="sum").tolist())
+        packed += (~torch.isfinite(loss.detach())).long() * base  # on the device: the one sync is the all-reduce's
+    total = int(strategy.all_reduce(packed, op="sum").item())
+    skipping, nonfinite, stopping, ran_out = (total // base**i % base for i in range(4))
     if skipping not in (0, strategy.world_size):
         ranks = [rank for rank, flag in enumerate(strategy.all_gather_object(skip)) if flag]
         raise RuntimeError(

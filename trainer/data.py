@@ -23,10 +23,11 @@ from torch.utils.data import (
 
 class ShardSampler(Sampler[int]):
     """Rank `rank`'s contiguous share of the indices 0..length-1, in order and without padding. Shares differ by
-    at most one sample; concatenated in rank order they are the dataset in order."""
+    at most one sample (the first ranks hold the extra ones, so rank 0 has the most batches); concatenated in
+    rank order they are the dataset in order."""
 
     def __init__(self, length: int, num_replicas: int, rank: int) -> None:
-        self.bounds = [length * r // num_replicas for r in range(num_replicas + 1)]
+        self.bounds = [-(-length * r // num_replicas) for r in range(num_replicas + 1)]  # the first get more
         self.rank = rank
 
     def __iter__(self):

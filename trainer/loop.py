@@ -233,7 +233,7 @@ class StepRunner:
         has_next = self._batches.has_next if isinstance(self._batches, Lookahead) else True
         stop = t.preemption.received is not None
         self.agreed = agree(self.strategy, loss, t.nonfinite.checks, stop, has_next, self._where(batch_idx))
-        if self.agreed.nonfinite_loss:
+        if self.agreed.nonfinite_loss and not self._skip_window:  # a window counts once
             self._nonfinite(f"loss ({nonfinite_losses(self.strategy, loss)})", batch_idx)
             self._skip_window = True
         return self.agreed

@@ -93,11 +93,10 @@ class MetricCollector:
 
     def _weighted_mean(self, value: torch.Tensor, weight: float) -> torch.Tensor:
         """The mean over ranks of this step's value, each rank weighted by its batch size (a discarded step's
-        value, maybe NaN, counts for nothing)."""
-        pair = torch.stack([value.double() * weight if weight else torch.zeros((), dtype=torch.float64),
-                            torch.tensor(weight, dtype=torch.float64)])
-        total, weight_sum = self.reduce_sum(pair).tolist()
-        return torch.tensor(total / weight_sum if weight_sum else float("nan"))
+        value, maybe NaN, counts for nothing). Stays on the device: no sync."""
+        weighted = value * weight if weight else torch.zeros_like(value)
+        total, weight_sum = self.reduce_sum(torch.stack([weighted, torch.full_like(value, weight)]))
+        return total / weight_sum
 
     @staticmethod
     def _as_scalar(name: str, value: Any) -> torch.Tensor:
