@@ -57,7 +57,7 @@ class StepRunner:
         t._call("on_train_start")
         while not self._finished():
             self.train_epoch()
-        if self.strategy.reduce_boolean_decision(t.preemption.received is not None, all=False):
+        if self.strategy.reduce_boolean_decision(t.signal_watch.received is not None, all=False):
             raise self._preempt()  # the signal came after the last step (in the last validation, say)
         t._call("on_train_end")
         t._call("on_fit_end")
@@ -231,7 +231,7 @@ class StepRunner:
         with on_nonfinite="error", or marks this accumulation window to be skipped with "skip"."""
         t = self.trainer
         has_next = self._batches.has_next if isinstance(self._batches, Lookahead) else True
-        stop = t.preemption.received is not None
+        stop = t.signal_watch.received is not None
         self.agreed = agree(self.strategy, loss, t.nonfinite.checks, stop, has_next, self._where(batch_idx))
         if self.agreed.nonfinite_loss and not self._skip_window:  # a window counts once
             self._nonfinite(f"loss ({nonfinite_losses(self.strategy, loss)})", batch_idx)
@@ -285,7 +285,7 @@ class StepRunner:
         t = self.trainer
         path = os.path.join(t._checkpoint_dirs()[0], "preempted")
         t.save_checkpoint(path)
-        return preemption.stop(t.global_rank, t.preemption.received or signal.SIGTERM, t.global_step, path)
+        return preemption.stop(t.global_rank, t.signal_watch.received or signal.SIGTERM, t.global_step, path)
 
     def _log(self, metrics: dict[str, float]) -> None:
         t = self.trainer

@@ -34,7 +34,8 @@ class Preempted(SystemExit):
 
 class SignalWatch:
     """Within `with watch:` a SIGTERM is remembered in `received` instead of ending the process (main thread
-    only: Python runs signal handlers there)."""
+    only: Python runs signal handlers there). The previous handler comes back when the block ends, unless it
+    ends with an error (not Preempted): then SIGTERM stays noted for the rest of the process."""
 
     def __init__(self) -> None:
         self.received: int | None = None
@@ -48,7 +49,11 @@ class SignalWatch:
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: Any) -> None:
+        if exc_type is not None and not issubclass(exc_type, Preempted):
+            # fit failed and the process is likely on its way out, with its traceback yet to print: torchrun sends
+            # SIGTERM to the surviving ranks of a failed group, and it must not cut that traceback short.
+            return
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None

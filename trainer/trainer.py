@@ -92,7 +92,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
         self.metrics = MetricCollector(reduce_sum=lambda t: self.strategy.all_reduce(t, "sum"))
-        self.preemption = SignalWatch()
+        self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
         self.module: TrainModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_scheduler_configs: list[dict[str, Any]] = []
@@ -194,6 +194,8 @@ class Trainer:
         val_dataloaders: Any = None,
         ckpt_path: str | None = None,
     ) -> None:
+        """Train `module`; `ckpt_path` ("last" or a path) resumes a run. Once per Trainer. A SIGTERM meanwhile
+        ends it on every rank after a checkpoint (preemption.py)."""
         if self._fit_called:
             raise RuntimeError(
                 "fit was already called on this Trainer: a Trainer fits once (its step, epoch and callbacks belong "
@@ -211,7 +213,7 @@ class Trainer:
         )
         if ckpt_path is not None:
             self._restore(ckpt_path)
-        with self._stage("fit"), self.preemption:
+        with self.signal_watch, self._stage("fit"):  # SIGTERM stays noted until the stage has ended
             StepRunner(self, train_loader, val_loader).fit()
 
     def validate(
