@@ -28,6 +28,8 @@ class ModelCheckpoint(Callback):
       epoch when there is no validation (`save_on_train_epoch_end` overrides this); or every
       `every_n_train_steps` optimizer steps. The two are exclusive.
     - `monitor` set: keeps the `save_top_k` best by that metric (`mode` "min" or "max"); -1 keeps all, 0 none.
+      A monitored metric still not logged when fit ends (validation never ran, say) is an error listing the
+      logged ones, as is one missing when a save is due.
       `monitor=None`: keeps the `save_top_k` most recent.
     - `save_last`: also writes `dirpath/last`, replaced only once the new one is complete.
     - `dirpath` defaults to `<trainer.log_dir or trainer.default_root_dir>/checkpoints`; `filename` is a
@@ -71,6 +73,7 @@ class ModelCheckpoint(Callback):
         self._dirpath_resolved = False
         self._pending_state: dict[str, Any] | None = None
         self._restored_paths: set[str] = set()  # checkpoints this callback wrote in the run it resumes
+        self._epoch_ended = False  # in this fit: only then is a monitored metric never logged an error
 
     @property
     def state_key(self) -> str:
@@ -84,6 +87,7 @@ class ModelCheckpoint(Callback):
         dirpath = self.dirpath or _realpath(os.path.join(root, "checkpoints"))
         self.dirpath = trainer.strategy.broadcast(dirpath, src=0)
         self._dirpath_resolved = True
+        self._epoch_ended = False
         if stage == "fit" and trainer.is_global_zero and os.path.isdir(dirpath):
             _remove_staging_leftovers(dirpath)
             if os.listdir(dirpath):
@@ -100,12 +104,25 @@ class ModelCheckpoint(Callback):
             self._save(trainer, strict=False)  # a validation metric may not exist yet: warn, save only `last`
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._epoch_ended = True
         if self._on_train_epoch_end(trainer) and self._epoch_due(trainer) and not self._skip(trainer):
             self._save(trainer, strict=True)
 
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         if not self._on_train_epoch_end(trainer) and self._epoch_due(trainer) and not self._skip(trainer):
             self._save(trainer, strict=True)
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self.monitor is None or self.save_top_k == 0 or not self._epoch_ended or trainer.sanity_checking:
+            return
+        logged = [k for k in broadcast_metrics(trainer) if k not in ("epoch", "step")]
+        if self.monitor not in logged:
+            raise ValueError(
+                f"ModelCheckpoint(monitor={self.monitor!r}) saved nothing: {self.monitor!r} was never logged by the "
+                f"end of epoch {trainer.current_epoch - 1}; logged: {sorted(logged)}. Log it with "
+                f"self.log({self.monitor!r}, value), and if it is a validation metric check that validation runs "
+                "(val_check_interval, check_val_every_n_epoch, limit_val_batches)."
+            )
 
     def _skip(self, trainer: Trainer) -> bool:
         return (trainer.state.stage != "fit" or trainer.sanity_checking

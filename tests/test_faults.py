@@ -1,6 +1,8 @@
 """Faults injected for real into real processes (tests/scripts/fault_train.py): torchrun restarting a group whose
 rank was killed in training and then in the middle of a checkpoint save, a killed rank and a hanging rank under
-the Trainer's own launcher, and a lost node under torchrun.
+the Trainer's own launcher, a lost node under torchrun, and preemption: SIGTERM to the launcher (which forwards
+it) or to one rank makes every rank finish its optimizer step, save `<checkpoint dir>/preempted` and exit naming
+the signal, and `fit(ckpt_path="last")` resumes from it exactly; SIGINT still ends every rank at once.
 
 Every command is started at once by the module fixture `jobs` (importing torch costs seconds per process here);
 each test waits for its own. The run they are compared with is trained on the rank pool meanwhile.
@@ -12,6 +14,8 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +28,7 @@ from trainer import checkpoint as ckpt_io
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "fault_train.py")
 TIMEOUT = 5  # Trainer(timeout=...) in the jobs that wait for a lost rank
+PREEMPTED_CODE = 128 + signal.SIGTERM
 
 
 def torchrun(*args: str) -> list[str]:
@@ -48,19 +53,36 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
                   "--timeout", str(TIMEOUT)],
         "node0": [*node, "--node-rank", "0", *lost_node],
         "node1": [*node, "--node-rank", "1", *lost_node],
+        # rank 0 pauses after step 3 while a thread sends it the signal, as a cluster or Ctrl-C would
+        "sigterm": [sys.executable, SCRIPT, "--root", str(tmp / "sigterm"), "--fault", "pause:3:0"],
+        "sigint": [sys.executable, SCRIPT, "--root", str(tmp / "sigint"), "--fault", "pause:3:0"],
     }
     started = {name: Job(argv, tmp / name) for name, argv in commands.items()}
+    for name, sig in (("sigterm", signal.SIGTERM), ("sigint", signal.SIGINT)):
+        threading.Thread(target=_signal_when_paused, args=(tmp / name, sig), daemon=True).start()
     yield started
     for job in started.values():
         job.kill()
 
 
-def _uninterrupted_body(root: str) -> None:
+def _uninterrupted_body(root: str, faults: tuple[str, ...] = ()) -> None:
     before = torch.are_deterministic_algorithms_enabled()
     try:
-        fault_train.train(root)
+        fault_train.train(root, faults=list(faults))
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def _signal_when_paused(root: Path, sig: signal.Signals) -> None:
+    """Send `sig` to rank 0 once it pauses after step 3 (writing the time to root/signal_at), then let it go on."""
+    deadline = time.monotonic() + 240
+    while not (root / "paused").exists():
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    os.kill(int((root / "rank0.pid").read_text()), sig)
+    (root / "signal_at").write_text(repr(time.time()))
+    (root / "resume").touch()
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +168,50 @@ def test_when_a_node_is_lost_the_other_fails_within_the_timeout_naming_the_step(
     assert node1[0] != 0 and node0[0] != 0
     assert "rank 0 failed at global step 2, epoch 0, batch 2: " in node0[2], node0[2][-3000:]
     assert _seconds(jobs["node0"].workdir.parent / "two_nodes", "fault_at", "failed_at.rank0") < TIMEOUT
+
+
+# -- preemption -----------------------------------------------------------------------------------------------
+def _assert_resumes_exactly(rank_pool, root: Path, uninterrupted: dict[str, torch.Tensor]) -> None:
+    rank_pool(2).run(_uninterrupted_body, str(root))  # fit(ckpt_path="last") picks the newest: preempted
+    assert _starts(root)[-1] == (4, "preempted")
+    final = ckpt_io.load_full_state_dict(root / "final.pt")
+    for name, tensor in uninterrupted.items():
+        assert torch.equal(final[name], tensor), name
+
+
+def test_sigterm_to_the_launcher_saves_on_every_rank_and_the_run_resumes_exactly(jobs, rank_pool, uninterrupted):
+    code, _, err = jobs["sigterm"].result(timeout=150)
+    root = jobs["sigterm"].workdir
+    assert code == PREEMPTED_CODE, err[-3000:]
+    for rank in (0, 1):  # rank 0 was paused after step 3 when the signal came, so both finished step 4
+        assert f"rank {rank}: SIGTERM received; stopped after global step 4" in err, err[-3000:]
+    assert "Traceback" not in err and "[launcher]" not in err, err[-3000:]  # no rank failed
+    assert ckpt_io.read_meta(str(root / "ckpts" / "preempted"))["global_step"] == 4
+    _assert_no_survivors(root)
+    _assert_resumes_exactly(rank_pool, root, uninterrupted)
+
+
+def _sigterm_to_rank_1_body(root: str) -> tuple[int, str] | None:
+    """Rank 1 alone receives SIGTERM after step 3 (under torchrun each rank gets its own)."""
+    try:
+        _uninterrupted_body(root, faults=("term:3:1",))
+    except SystemExit as stop:  # trainer.preemption.Preempted
+        return stop.code, str(stop)
+    return None
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(rank_pool, tmp_path, uninterrupted):
+    for code, message in rank_pool(2).run(_sigterm_to_rank_1_body, str(tmp_path)):
+        assert code == PREEMPTED_CODE
+        assert "SIGTERM received; stopped after global step 4" in message and "ckpt_path='last'" in message
+    assert ckpt_io.read_meta(str(tmp_path / "ckpts" / "preempted"))["global_step"] == 4
+    _assert_resumes_exactly(rank_pool, tmp_path, uninterrupted)
+
+
+def test_sigint_to_the_launcher_still_ends_every_rank_at_once(jobs):
+    code, _, err = jobs["sigint"].result(timeout=150)
+    root = jobs["sigint"].workdir
+    assert code != 0 and "KeyboardInterrupt" in err, err[-3000:]
+    assert jobs["sigint"].ended - float((root / "signal_at").read_text()) < 10
+    assert not (root / "ckpts" / "preempted").exists()
+    _assert_no_survivors(root)

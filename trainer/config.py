@@ -43,15 +43,14 @@ def check_positive_int(name: str, value: Any, allow_none: bool = False, allow: t
         raise ValueError(f"{name}={value!r} is not valid; use a positive int")
 
 
-def check_fraction_or_count(name: str, value: Any) -> None:
-    """Batches per epoch: a float in (0, 1] (a fraction) or an int >= 0 (a count)."""
+def check_fraction_or_count(name: str, value: Any, allow_zero: bool = True) -> None:
+    """Batches per epoch: a float in (0, 1] (a fraction) or an int count (>= 0, or >= 1 without `allow_zero`)."""
     if isinstance(value, float) and 0.0 < value <= 1.0:
         return
-    if _is_int(value) and value >= 0:
+    if _is_int(value) and value >= (0 if allow_zero else 1):
         return
-    raise ValueError(
-        f"{name}={value!r} is not valid; use a float in (0, 1] (fraction of the epoch) or an int count"
-    )
+    count = "an int count" if allow_zero else "a positive int count"
+    raise ValueError(f"{name}={value!r} is not valid; use a float in (0, 1] (fraction of the epoch) or {count}")
 
 
 def check_timeout(timeout: Any) -> datetime.timedelta:

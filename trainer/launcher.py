@@ -5,6 +5,8 @@ variables torchrun would set and supervises them, so that one failing rank ends 
 - a child exiting non-zero: rank 0 reports it, stops the other children and exits with code 1;
 - rank 0 raising: its excepthook stops the children after printing the traceback;
 - rank 0 dying without cleanup (SIGKILL): each child notices that its parent is gone and exits.
+A SIGTERM to rank 0 during fit is passed on to the children (preemption.py): every rank then saves a checkpoint
+and exits with PREEMPTED_EXIT_CODE, which is not a failure.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import torch.distributed as dist
 
 _PARENT_PID_VAR = "TRAINER_LAUNCHER_PARENT_PID"  # set only for the children that launch_local_ranks starts
 _POLL_S = 0.2
-_GRACE_S = 3.0
 _CAUSE_WAIT_S = 1.0  # how long a raising rank 0 looks for a dead child to name as the cause (slow under load)
 _JOIN_TIMEOUT = datetime.timedelta(minutes=5)  # for every rank to start, whatever the collective timeout
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM  # a rank that stopped on SIGTERM after saving a checkpoint
+_supervisor: _Supervisor | None = None  # in the process that started local ranks
 
 
 @dataclass
@@ -102,9 +105,23 @@ def launch_local_ranks(num_ranks: int) -> ClusterEnvironment:
     for env in envs[1:]:
         child_env = {**os.environ, **env.to_environ(), _PARENT_PID_VAR: str(os.getpid())}
         children[env.rank] = subprocess.Popen(command, env=child_env, start_new_session=True)
-    _Supervisor(children).start()
+    global _supervisor
+    _supervisor = _Supervisor(children)
+    _supervisor.start()
     _report_fatal_signals()
     return envs[0]
+
+
+def forward_signal(signum: int) -> None:
+    """In the process that started local ranks: send `signum` to each rank still running (not to their
+    DataLoader workers, which their rank stops). Safe in a signal handler."""
+    if _supervisor is not None:
+        for p in _supervisor.children.values():
+            if p.returncode is None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
 
 
 def _report_fatal_signals() -> None:
@@ -173,19 +190,14 @@ class _Supervisor:
         sys.excepthook = excepthook
 
     def stop(self) -> None:
-        """Terminate the children still running (SIGKILL after a grace period) and reap them."""
+        """Kill the children still running and reap them. SIGKILL, not SIGTERM: during fit a rank takes SIGTERM
+        as preemption and would first try to finish its step with ranks that are failing."""
         with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-            running = [p for p in self.children.values() if p.poll() is None]
-            for p in running:
-                _signal_group(p, signal.SIGTERM)
-            deadline = time.monotonic() + _GRACE_S
-            for p in running:
-                try:
-                    p.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+            for p in self.children.values():
+                if p.poll() is None:
                     _signal_group(p, signal.SIGKILL)
                     p.wait()
 
@@ -193,7 +205,7 @@ class _Supervisor:
         """Exit codes of the children that failed, waiting up to `within` seconds for one to show up."""
         deadline = time.monotonic() + within
         while True:
-            failed = {rank: code for rank, p in self.children.items() if (code := p.poll())}
+            failed = {rank: code for rank, p in self.children.items() if _failed(code := p.poll())}
             if failed or time.monotonic() >= deadline:
                 return failed
             time.sleep(0.02)
@@ -211,7 +223,7 @@ class _Supervisor:
         while not self._stopped:
             for rank, p in self.children.items():
                 code = p.poll()
-                if code:
+                if _failed(code):
                     self._fail(rank, code)
             time.sleep(_POLL_S)
 
@@ -223,7 +235,7 @@ class _Supervisor:
         for p in self.children.values():
             p.wait()
         for rank, p in self.children.items():
-            if p.returncode:
+            if _failed(p.returncode):
                 self._fail(rank, p.returncode)
 
 
@@ -238,6 +250,10 @@ def _watch_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="launcher-parent-watch", daemon=True).start()
+
+
+def _failed(code: int | None) -> bool:
+    return code not in (None, 0, PREEMPTED_EXIT_CODE)
 
 
 def _exit_reason(code: int) -> str:

@@ -3,10 +3,16 @@
 One training batch reads as plain torch: `training_step`, `loss.backward()`, clipping, `optimizer.step()`,
 `optimizer.zero_grad()`, with the callback hooks between; the strategy's engine works from hooks on the model and
 the optimizer. Trainer.fit -> StepRunner.fit -> train_epoch -> train_batch -> training_step.
+
+After each training_step the ranks agree, in one small all-reduce (agreement.py), on what only some of them may
+know: a skipped batch, a non-finite loss, a SIGTERM, training data that ran out. Evaluation runs the same number of
+steps on every rank although ranks may hold different numbers of batches (uneven.py).
 """
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -14,10 +20,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .data import limit_batches, set_epoch
+from . import preemption
+from .agreement import Agreement, agree
+from .data import limit_batches, loader_length, set_epoch
+from .nonfinite import nonfinite_losses
 from .optimizers import step_schedulers
 from .seed import rng_state, set_rng_state
 from .state import move_to_device
+from .uneven import Lookahead, evaluation_batches, report_unused
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -29,6 +39,10 @@ class StepRunner:
         self.train_loader, self.val_loader = train_loader, val_loader
         self.optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self._backward_in_window = False
+        self._skip_window = False  # a non-finite loss in this accumulation window (on_nonfinite="skip")
+        self._stop_requested = False  # the ranks agreed to stop on a signal; this optimizer step is done
+        self.agreed = Agreement()  # the ranks' agreement after the latest training_step
+        self._batches: Any = None  # this epoch's training batches
 
     # ---- fit ----------------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -38,15 +52,37 @@ class StepRunner:
         )
         if self.val_loader is not None:
             t.num_val_batches = limit_batches(self.val_loader, t.limit_val_batches, "limit_val_batches")
+        self._check_val_check_interval()
         self._log_start()
         t._call("on_fit_start")
         t._call("on_train_start")
         while not self._finished():
             self.train_epoch()
+        if self.strategy.reduce_boolean_decision(t.signal_watch.received is not None, all=False):
+            raise self._preempt()  # the signal came after the last step (in the last validation, say)
         t._call("on_train_end")
         t._call("on_fit_end")
         if t.logger is not None:
             t.logger.finalize("success")
+
+    def _check_val_check_interval(self) -> None:
+        """An interval that validation can never reach is a mistake, not a run without validation."""
+        t = self.trainer
+        interval, batches = t.val_check_interval, t.num_training_batches
+        if self.val_loader is None or t.num_val_batches == 0:
+            return
+        sized = loader_length(self.train_loader) is not None
+        if isinstance(interval, int) and sized and interval > batches:
+            raise ValueError(
+                f"val_check_interval={interval} is more than the {batches} training batch{'es' * (batches != 1)} of "
+                f"an epoch, so validation would never run; use at most {batches}, a fraction of the epoch (a "
+                "float), or limit_val_batches=0 to train without validation"
+            )
+        if isinstance(interval, float) and interval < 1.0 and not sized:
+            raise ValueError(
+                f"val_check_interval={interval} is a fraction of the epoch, but the training loader has no "
+                "length; give an int number of batches"
+            )
 
     def _log_start(self) -> None:
         t = self.trainer
@@ -68,9 +104,10 @@ class StepRunner:
         t.metrics.stage = "train"
         set_epoch(self.train_loader, t.current_epoch)
         t._call("on_train_epoch_start")
+        batches = self._batches = self._epoch_batches()
         skip = t.state.batches_done_in_epoch  # batches already trained before a mid-epoch resume
         resume_rng = rng_state() if skip else None  # the checkpoint's; starting the loader and skipping draw
-        for batch_idx, batch in enumerate(self.train_loader):
+        for batch_idx, batch in enumerate(batches):
             if batch_idx >= t.num_training_batches:
                 break
             if batch_idx < skip:
@@ -81,11 +118,27 @@ class StepRunner:
                 self.train_batch(batch, batch_idx)
                 if self._validation_due(batch_idx):
                     self.validate()
+            if self._stop_requested:
+                raise self._preempt()
             if t.max_steps > 0 and t.global_step >= t.max_steps and batch_idx + 1 < t.num_training_batches:
                 return  # stopped inside the epoch: it is not over, and a resume continues it at the next batch
-            if t.should_stop or (t.max_steps > 0 and t.global_step >= t.max_steps):
+            if t.should_stop or (t.max_steps > 0 and t.global_step >= t.max_steps) or self.agreed.last_batch:
                 break
+        if self.agreed.last_batch and self.strategy.distributed:
+            report_unused(batches, self.strategy, t.current_epoch, t.state.batches_done_in_epoch)
         self._end_train_epoch()
+
+    def _epoch_batches(self) -> Any:
+        """The loader, or for one without a length (an iterable dataset, whose ranks may run out at different
+        times) the loader looked ahead, so that each training_step's agreement says whether a rank ran out."""
+        self.agreed = Agreement()
+        if loader_length(self.train_loader) is not None:
+            return self.train_loader
+        batches = Lookahead(self.train_loader)
+        if self.strategy.distributed and not self.strategy.reduce_boolean_decision(batches.has_next):
+            batches.close()  # some rank has no batch at all: the epoch is empty on every rank
+            self.agreed = Agreement(last_batch=True)
+        return batches
 
     @contextmanager
     def _naming_the_step(self, batch_idx: int) -> Iterator[None]:
@@ -123,22 +176,25 @@ class StepRunner:
         if isinstance(interval, float):
             every = max(1, int(t.num_training_batches * interval))
             return (batch_idx + 1) % every == 0 or (
-                interval == 1.0 and batch_idx + 1 == t.num_training_batches
+                interval == 1.0 and (batch_idx + 1 == t.num_training_batches or self.agreed.last_batch)
             )
         return (batch_idx + 1) % interval == 0
 
     # ---- one training batch -------------------------------------------------------------------------
     def train_batch(self, batch: Any, batch_idx: int) -> None:
         t = self.trainer
-        batch = move_to_device(batch, self.strategy.root_device)
+        batch = self._to_step(batch)
         t._call("on_train_batch_start", batch, batch_idx)
-        window_end = (
-            batch_idx + 1
-        ) % t.accumulate_grad_batches == 0 or batch_idx + 1 == t.num_training_batches
         with t.precision.autocast(), self.strategy.forward_context():
             output = self.module.training_step(batch, batch_idx)
         loss = self._loss_from(output, batch_idx)
-        if self._all_ranks_skip(loss is None, batch_idx):
+        agreed = self._agree(loss, batch_idx)
+        window_end = (
+            (batch_idx + 1) % t.accumulate_grad_batches == 0
+            or batch_idx + 1 == t.num_training_batches
+            or agreed.last_batch
+        )
+        if agreed.skip or self._skip_window:
             outputs = None
         else:
             with self.strategy.no_backward_sync(enabled=not window_end):
@@ -146,9 +202,17 @@ class StepRunner:
             self._backward_in_window = True
             outputs = {"loss": loss.detach()}
         if window_end:
-            self._optimizer_step()
+            self._optimizer_step(batch_idx)
+            self._stop_requested = agreed.stop
         t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
         t._call("on_train_batch_end", outputs, batch, batch_idx)
+
+    def _to_step(self, batch: Any, real: bool = True) -> Any:
+        """The batch on the device in the precision's dtype; its size weighs the step's logged values."""
+        t = self.trainer
+        batch = t.precision.convert_input(move_to_device(batch, self.strategy.root_device))
+        t.metrics.start_step(batch, real)
+        return batch
 
     def _loss_from(self, output: Any, batch_idx: int) -> torch.Tensor | None:
         loss = output["loss"] if isinstance(output, dict) and "loss" in output else output
@@ -161,38 +225,64 @@ class StepRunner:
             )
         return loss.reshape(())
 
-    def _all_ranks_skip(self, skip: bool, batch_idx: int) -> bool:
-        """Skipping a batch must be unanimous: a lone skip would leave the other ranks waiting in backward."""
-        if not self.strategy.distributed:
-            return skip
-        # One small all-reduce per batch; the ranks are named only in the (rare) case of disagreement.
-        skipping_ranks = int(self.strategy.all_reduce(torch.tensor(float(skip)), op="sum").item())
-        if skipping_ranks in (0, self.strategy.world_size):
-            return skip
-        flags = self.strategy.all_gather_object(skip)
-        skipping = [rank for rank, f in enumerate(flags) if f]
-        raise RuntimeError(
-            f"training_step returned None on rank(s) {skipping} but not on the others at epoch "
-            f"{self.trainer.current_epoch}, batch {batch_idx}; every rank must skip the same batch"
-        )
-
-    def _optimizer_step(self) -> None:
+    def _agree(self, loss: torch.Tensor | None, batch_idx: int) -> Agreement:
+        """What every rank must know after this training_step (see agreement.py); a non-finite loss raises here
+        with on_nonfinite="error", or marks this accumulation window to be skipped with "skip"."""
         t = self.trainer
-        if not self._backward_in_window:
+        has_next = self._batches.has_next if isinstance(self._batches, Lookahead) else True
+        stop = t.signal_watch.received is not None
+        self.agreed = agree(self.strategy, loss, t.nonfinite.checks, stop, has_next, self._where(batch_idx))
+        if self.agreed.nonfinite_loss and not self._skip_window:  # a window counts once
+            self._nonfinite(f"loss ({nonfinite_losses(self.strategy, loss)})", batch_idx)
+            self._skip_window = True
+        return self.agreed
+
+    def _where(self, batch_idx: int) -> str:
+        t = self.trainer
+        return f"global step {t.global_step}, epoch {t.current_epoch}, batch {batch_idx}"
+
+    def _nonfinite(self, what: str, batch_idx: int) -> None:
+        t = self.trainer
+        t.nonfinite.found(what, self._where(batch_idx), t.is_global_zero)
+
+    def _optimizer_step(self, batch_idx: int) -> None:
+        t = self.trainer
+        if not (self._backward_in_window or self._skip_window):
             return
-        self._backward_in_window = False
+        stepping = not self._skip_window
+        self._backward_in_window = self._skip_window = False
         any_rank = lambda flag: self.strategy.reduce_boolean_decision(flag, all=False)  # noqa: E731
-        if t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
+        if stepping and t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
             if t.gradient_clip_val is not None:
-                self.strategy.clip_gradients(t.gradient_clip_val)
-            t._call("on_before_optimizer_step", self.optimizer)
-            self.optimizer.step()
+                stepping = self._clip_gradients(batch_idx)
+            if stepping:
+                t._call("on_before_optimizer_step", self.optimizer)
+                self.optimizer.step()
         self.optimizer.zero_grad()
         t.state.global_step += 1
         step_schedulers(t, "step", t.global_step)
+        if t.nonfinite.skipped:
+            t.metrics.record("skipped_nonfinite_steps", t.nonfinite.skipped)
         step_metrics = t.metrics.pop_step_metrics()
         if t.global_step % t.log_every_n_steps == 0:
             self._log(step_metrics)
+
+    def _clip_gradients(self, batch_idx: int) -> bool:
+        """Clip by the global norm; False to skip the step when that norm is not finite (on_nonfinite="skip").
+        The norm is the same on every rank, so they all decide alike."""
+        t = self.trainer
+        norm = self.strategy.clip_gradients(t.gradient_clip_val)
+        if t.nonfinite.checks and not torch.isfinite(norm):
+            self._nonfinite(f"gradient norm ({float(norm)}, over every rank)", batch_idx)
+            return False
+        return True
+
+    def _preempt(self) -> preemption.Preempted:
+        """Save `<checkpoint dir>/preempted` (every rank) and return the exception that ends fit."""
+        t = self.trainer
+        path = os.path.join(t._checkpoint_dirs()[0], "preempted")
+        t.save_checkpoint(path)
+        return preemption.stop(t.global_rank, t.signal_watch.received or signal.SIGTERM, t.global_step, path)
 
     def _log(self, metrics: dict[str, float]) -> None:
         t = self.trainer
@@ -219,34 +309,39 @@ class StepRunner:
         t._call(f"on_{name}_start")
         t._call(f"on_{name}_epoch_start")
         with torch.no_grad():
-            for batch_idx, batch in enumerate(loader):
-                if batch_idx >= limit:
-                    break
-                batch = move_to_device(batch, self.strategy.root_device)
+            for batch_idx, (batch, real) in enumerate(evaluation_batches(loader, limit, self.strategy)):
+                batch = self._to_step(batch, real)
                 with t.precision.autocast(), self.strategy.forward_context():
                     output = step_fn(batch, batch_idx)
-                t._call(f"on_{name}_batch_end", output, batch, batch_idx)
+                if real:  # an empty step of a rank that has run out is not reported
+                    t._call(f"on_{name}_batch_end", output, batch, batch_idx)
+        t.metrics.start_step(None)  # what the epoch-end hooks log counts
         metrics = t.metrics.end_epoch()
         self._log(metrics)
         t._call(f"on_{name}_epoch_end")
         t._call(f"on_{name}_end")
         return metrics
 
-    def predict(self, loader: Any) -> list[Any]:
+    def predict(self, loader: Any) -> list[Any] | None:
+        """Each batch's prediction, in dataset order on rank 0 (loaders split by ShardSampler); None elsewhere."""
         t = self.trainer
         self.module.eval()
         t.metrics.stage = "predict"
         t._call("on_predict_start")
         predictions = []
         with torch.no_grad():
-            for batch_idx, batch in enumerate(loader):
-                batch = move_to_device(batch, self.strategy.root_device)
+            for batch_idx, (batch, real) in enumerate(evaluation_batches(loader, 2**62, self.strategy)):
+                batch = self._to_step(batch, real)
                 with t.precision.autocast(), self.strategy.forward_context():
                     prediction = self.module.predict_step(batch, batch_idx)
-                predictions.append(prediction)
-                t._call("on_predict_batch_end", prediction, batch, batch_idx)
+                if real:
+                    predictions.append(prediction)
+                    t._call("on_predict_batch_end", prediction, batch, batch_idx)
         t._call("on_predict_end")
-        return predictions
+        if not self.strategy.distributed:
+            return predictions
+        by_rank = self.strategy.all_gather_object(predictions)
+        return [prediction for ranks in by_rank for prediction in ranks] if t.is_global_zero else None
 
 
 def _describe(value: Any) -> str:

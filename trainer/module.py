@@ -79,10 +79,14 @@ class TrainModule(nn.Module):
         on_step: bool | None = None,
         on_epoch: bool | None = None,
         sync_dist: bool = False,
+        batch_size: int | None = None,
     ) -> None:
-        """Log a metric. In training it defaults to per step; in validation and test to per epoch (averaged)."""
+        """Log a metric. In training it defaults to per step; in validation and test to per epoch: the mean over
+        the epoch's steps weighted by batch size (inferred from the batch, or `batch_size`). `sync_dist=True`
+        averages over the ranks too, so that the epoch value is one process's mean over the samples."""
         self.trainer.metrics.log(
-            name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch, sync_dist=sync_dist
+            name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch, sync_dist=sync_dist,
+            batch_size=batch_size,
         )
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32-true": "32", 32: "32", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
@@ -35,6 +36,11 @@ class Precision:
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.to(torch.bfloat16) if self.precision == "bf16-true" else module
 
+    def convert_input(self, batch: Any) -> Any:
+        """"bf16-true": the batch's floating-point tensors in bfloat16, as the weights (integer ones, such as
+        token ids and labels, stay as they are), like Lightning's precision plugins do."""
+        return tree_map(_to_bfloat16, batch) if self.precision == "bf16-true" else batch
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler else loss
 
@@ -48,6 +54,10 @@ class Precision:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler and state:
             self.scaler.load_state_dict(state)
+
+
+def _to_bfloat16(value: Any) -> Any:
+    return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
 class LossScaler:

@@ -20,8 +20,10 @@ from .data import distributed_loader
 from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
+from .nonfinite import NonFiniteGuard
 from .optimizers import SchedulerConfig, configure_optimizers
 from .precision import Precision, check_precision
+from .preemption import SignalWatch
 from .state import TrainerState
 
 
@@ -53,6 +55,7 @@ class Trainer:
         check_val_every_n_epoch: int = 1,
         max_memory_per_rank: int | str | None = None,
         compile: bool = False,
+        on_nonfinite: str = "error",
     ) -> None:
         # Every argument is checked here, before any rank is started.
         self.accelerator = config.check_accelerator(accelerator)
@@ -64,8 +67,8 @@ class Trainer:
             raise ValueError(f"max_steps={max_steps!r} is not valid; use -1 (no limit) or a positive int")
         config.check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
         config.check_clip(gradient_clip_val)
+        config.check_fraction_or_count("val_check_interval", val_check_interval, allow_zero=False)
         for name, value in [
-            ("val_check_interval", val_check_interval),
             ("limit_train_batches", limit_train_batches),
             ("limit_val_batches", limit_val_batches),
             ("limit_test_batches", limit_test_batches),
@@ -73,6 +76,7 @@ class Trainer:
             config.check_fraction_or_count(name, value)
         config.check_positive_int("log_every_n_steps", log_every_n_steps)
         config.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
+        self.nonfinite = NonFiniteGuard(on_nonfinite)
         if sync_batchnorm and self.accelerator != "cuda":
             raise ValueError("sync_batchnorm=True needs accelerator='cuda': torch's SyncBatchNorm runs on GPUs only")
         if not isinstance(compile, bool):
@@ -97,7 +101,8 @@ class Trainer:
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
-        self.metrics = MetricCollector(reduce_mean=lambda t: self.strategy.all_reduce(t, "mean"))
+        self.metrics = MetricCollector(reduce_sum=lambda t: self.strategy.all_reduce(t, "sum"))
+        self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
         self.module: TrainModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_scheduler_configs: list[SchedulerConfig] = []
@@ -107,6 +112,7 @@ class Trainer:
         self.num_training_batches = 0
         self.num_val_batches = 0
         self.sanity_checking = False
+        self._fit_called = False
 
     # ---- construction helpers -----------------------------------------------------------------------
     @staticmethod
@@ -199,18 +205,27 @@ class Trainer:
         val_dataloaders: Any = None,
         ckpt_path: str | None = None,
     ) -> None:
+        """Train `module`; `ckpt_path` ("last" or a path) resumes a run. Once per Trainer. A SIGTERM meanwhile
+        ends it on every rank after a checkpoint (preemption.py)."""
+        if self._fit_called:
+            raise RuntimeError(
+                "fit was already called on this Trainer: a Trainer fits once (its step, epoch and callbacks belong "
+                "to that run). Create a new Trainer for another fit; to continue a run, pass ckpt_path to the new "
+                "Trainer's fit"
+            )
+        self._fit_called = True
         self._choose_strategy(module, train_dataloaders)
         self._setup(module, stage="fit")
         train_loader = self._loader(
             train_dataloaders, module.train_dataloader, "train_dataloaders", required=True
         )
-        val_loader = self._loader(val_dataloaders, module.val_dataloader, "val_dataloaders")
+        val_loader = self._loader(val_dataloaders, module.val_dataloader, "val_dataloaders", evaluation=True)
         self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
             module, self.strategy
         )
         if ckpt_path is not None:
             self._restore(ckpt_path)
-        with self._stage("fit"):
+        with self.signal_watch, self._stage("fit"):  # SIGTERM stays noted until the stage has ended
             StepRunner(self, train_loader, val_loader).fit()
 
     def validate(
@@ -225,10 +240,11 @@ class Trainer:
 
     def predict(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
-    ) -> list[Any]:
+    ) -> list[Any] | None:
+        """Each batch's prediction, in dataset order, on rank 0 (None on the other ranks)."""
         self._choose_strategy(module or self.module, None)
         module = self._setup(module or self.module, stage="predict")
-        loader = self._loader(dataloaders, module.predict_dataloader, "dataloaders", required=True)
+        loader = self._loader(dataloaders, module.predict_dataloader, "dataloaders", required=True, evaluation=True)
         if ckpt_path is not None:
             self._restore(ckpt_path, weights_only=True)
         with self._stage("predict"):
@@ -238,7 +254,7 @@ class Trainer:
         self._choose_strategy(module or self.module, None)
         module = self._setup(module or self.module, stage=stage)
         default = module.val_dataloader if stage == "validate" else module.test_dataloader
-        loader = self._loader(dataloaders, default, "dataloaders", required=True)
+        loader = self._loader(dataloaders, default, "dataloaders", required=True, evaluation=True)
         if ckpt_path is not None:
             self._restore(ckpt_path, weights_only=True)
         with self._stage(stage):
@@ -288,12 +304,12 @@ class Trainer:
         self.strategy.setup_module(module)
         return module
 
-    def _loader(self, given: Any, default: Any, argument: str, required: bool = False) -> Any:
+    def _loader(self, given: Any, default: Any, argument: str, required: bool = False, evaluation: bool = False) -> Any:
         loader = given if given is not None else default()
         if loader is None and required:
             raise ValueError(f"{argument}: no DataLoader given and the module's hook returns None")
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        return distributed_loader(loader, self.world_size, self.global_rank, seed, argument)
+        return distributed_loader(loader, self.world_size, self.global_rank, seed, argument, evaluation)
 
     @contextmanager
     def _stage(self, stage: str) -> Iterator[None]:
@@ -339,17 +355,19 @@ class Trainer:
         from .state import restore_checkpoint
 
         if ckpt_path == "last":
-            directory = self.checkpoint_callback.dirpath if self.checkpoint_callback else None
-            found = ckpt_io.find_last(*([directory] if directory else self._default_checkpoint_dirs()))
+            found = ckpt_io.find_last(*self._checkpoint_dirs())
             if found is None:
                 return  # nothing saved yet: start from scratch, as Lightning does
             ckpt_path = found
         self.ckpt_path = os.fspath(ckpt_path)
         restore_checkpoint(self, self.ckpt_path, weights_only)
 
-    def _default_checkpoint_dirs(self) -> list[str]:
-        """Where ModelCheckpoint saves by default; a restarted run logs to a new logger version, so the
-        checkpoints folders of every version count."""
+    def _checkpoint_dirs(self) -> list[str]:
+        """Where checkpoints go: the ModelCheckpoint's dirpath, or by default `<log_dir>/checkpoints`; a
+        restarted run logs to a new logger version, so then the checkpoints folders of every version count."""
+        directory = self.checkpoint_callback.dirpath if self.checkpoint_callback else None
+        if directory:
+            return [directory]
         dirs = [os.path.join(self.log_dir or self.default_root_dir, "checkpoints")]
         root = getattr(self.logger, "root_dir", None)
         if root is not None and os.path.isdir(root):

@@ -5,6 +5,9 @@ python tests/scripts/fault_train.py --root DIR --devices 2 [--fault KIND:STEP:RA
   kill   rank RANK SIGKILLs itself once global step STEP is done
   save   rank RANK SIGKILLs itself in the checkpoint save at step STEP, after writing its own file
   hang   rank RANK sleeps before computing global step STEP
+  term   rank RANK sends SIGTERM to itself once global step STEP is done
+  pause  rank RANK, once global step STEP is done, writes DIR/paused and waits until DIR/resume exists (the test
+         signals a process meanwhile)
 Each fault fires once per DIR (a marker file DIR/fault<i> remembers it), so a restarted group runs past it.
 Writes DIR/rank<r>.pid, DIR/fault_at (time of the fault), DIR/staging_at_fault (the files in the staging
 folder when a "save" fault fires), DIR/failed_at.rank<r> (time a rank raised),
@@ -85,7 +88,8 @@ class Faults(Callback):
         self._fire("hang", trainer.global_step)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self._fire("kill", trainer.global_step)
+        for kind in ("kill", "term", "pause"):
+            self._fire(kind, trainer.global_step)
 
     def _due(self, kind: str) -> bool:
         step = self.trainer.global_step
@@ -104,7 +108,16 @@ class Faults(Callback):
                 f.write(repr(time.time()))
             if kind == "hang":
                 time.sleep(600)
-            os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "pause":
+                self._pause()
+                continue
+            os.kill(os.getpid(), signal.SIGTERM if kind == "term" else signal.SIGKILL)
+
+    def _pause(self) -> None:
+        open(os.path.join(self.root, "paused"), "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(self.root, "resume")) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def train(root: str, devices: int = 2, faults: list[str] | None = None, timeout: float = 60) -> Trainer:

@@ -1,0 +1,50 @@
+"""What the ranks agree on after each training_step, in the one small all-reduce that the loop makes there:
+
+- training_step returned None: the batch is skipped only if every rank skipped it (a lone skip would leave the
+  others waiting in backward), otherwise an error names the ranks;
+- the loss is not finite on some rank (unless on_nonfinite="ignore");
+- some rank received SIGTERM: every rank stops once this optimizer step is done;
+- some rank has no next batch (iterable data): every rank ends the epoch after this batch.
+
+One process needs no all-reduce; there only the finiteness check reads the loss (a sync on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Agreement:
+    skip: bool = False
+    nonfinite_loss: bool = False
+    stop: bool = False
+    last_batch: bool = False
+
+
+def agree(
+    strategy: Any, loss: torch.Tensor | None, check_loss: bool, stop: bool, has_next: bool, where: str
+) -> Agreement:
+    skip = loss is None
+    check_loss = check_loss and not skip
+    if not strategy.distributed:
+        return Agreement(skip, check_loss and not bool(torch.isfinite(loss)), stop, not has_next)
+    # The four counts travel as the digits of one integer in base world_size + 1 (a digit summed over the ranks
+    # never carries): gloo all-reduces one element in about half the time of four (~0.6 against ~1.2 ms here).
+    base = strategy.world_size + 1
+    local = sum(int(flag) * base**i for i, flag in enumerate((skip, False, stop, not has_next)))
+    packed = torch.tensor(local, dtype=torch.int64, device=strategy.root_device)
+    if check_loss:
+        packed += (~torch.isfinite(loss.detach())).long() * base  # on the device: the one sync is the all-reduce's
+    total = int(strategy.all_reduce(packed, op="sum").item())
+    skipping, nonfinite, stopping, ran_out = (total // base**i % base for i in range(4))
+    if skipping not in (0, strategy.world_size):
+        ranks = [rank for rank, flag in enumerate(strategy.all_gather_object(skip)) if flag]
+        raise RuntimeError(
+            f"training_step returned None on rank(s) {ranks} but not on the others at {where}; every rank must "
+            "skip the same batch"
+        )
+    return Agreement(skipping > 0, nonfinite > 0, stopping > 0, ran_out > 0)
