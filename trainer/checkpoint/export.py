@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -160,8 +159,7 @@ def load_safetensors(trainer: Trainer, path: str | os.PathLike, prefix: str = ""
     for name, target in strategy.model_state_targets().items():
         if name.startswith(prefix) and name.removeprefix(prefix) in saved:
             (shards if isinstance(target, FlatPieces) else plain)[name.removeprefix(prefix)] = target
-    with warnings.catch_warnings(), unwrapped():
-        warnings.simplefilter("ignore")
+    with unwrapped():
         dcp.load(plain, storage_reader=reader, planner=ShardLoadPlanner(shards), no_dist=True)
     strategy.state_loaded()
 

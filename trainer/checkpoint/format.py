@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,10 @@ META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
 MODEL, TRAINER, RNG, META = "model", "trainer", "rng", "meta"
 BLOCK = 1 << 22
+
+# Loads always run in one process (no_dist: a rank plans its own reads), and saves do without a process group;
+# DCP warns about both on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(ValueError):

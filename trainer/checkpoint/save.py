@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -97,8 +96,7 @@ class Saver:
         finish = _Finish(staging, path, [os.path.abspath(p) for p in links], on_done, summary, group)
         options = dict(storage_writer=FileSystemWriter(staging), planner=ShardSavePlanner(), process_group=group,
                        no_dist=group is None)
-        with warnings.catch_warnings(), format.unwrapped(finish.rank):
-            warnings.simplefilter("ignore")  # DCP warns that it saves in one process when no group exists
+        with format.unwrapped(finish.rank):
             if not async_save:
                 finish(dcp.save(checkpoint_state(trainer), **options))
                 return

@@ -7,7 +7,6 @@ into place (whole, or as the FlatPieces a rank needs) and objects.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,8 +40,7 @@ class DirectorySource:
     def read(self, plain: dict[str, Any], shards: dict[str, FlatPieces] | None = None) -> dict[str, Any]:
         """Fill the tensors of `plain` and `shards` in place; returns `plain` with its None values (objects) read."""
         state = dict(plain)
-        with warnings.catch_warnings(), format.unwrapped():
-            warnings.simplefilter("ignore")  # dcp.load warns on every call that it loads in this process only
+        with format.unwrapped():
             dcp.load(state, storage_reader=self.reader, planner=ShardLoadPlanner(shards or {}), no_dist=True)
         return state
 
