@@ -166,9 +166,6 @@ class Strategy:
         `rank_zero_only` the other ranks get {} and hold at most one unit at a time."""
         return engine_state.full_state_dict(self.engine, keep=self.is_global_zero or not rank_zero_only)
 
-    def iter_full_state_dict(self, rank_zero_only: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        return engine_state.iter_full_state_dict(self.engine, keep=self.is_global_zero or not rank_zero_only)
-
     def full_state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return engine_state.full_state_shapes(self.engine)
 

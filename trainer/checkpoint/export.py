@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from strategies import FlatPieces
 
 from .format import META, MODEL, unwrapped
-from .load import assemble
+from .load import assemble, read_meta_item
 from .planners import ShardLoadPlanner
 from .source import Source, open_source
 from .streamed_file import StreamedFullFile
@@ -40,11 +40,12 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer:
     """Write any checkpoint as one plain file that torch.load reads: the model's state dict or, with
     `with_optimizer`, everything (what `save_checkpoint(full=True)` writes). Streamed: a batch at a time."""
     source = open_source(path)
-    keys = [k for k, p in source.paths.items() if with_optimizer or p[0] in (MODEL, META)]
+    meta = read_meta_item(source)
+    tied = {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}  # a full file holds them: tied again
+    keys = [k for k, p in source.paths.items() if k not in tied and (with_optimizer or p[0] in (MODEL, META))]
     objects = source.read({k: None for k in keys if k not in source.tensors})
-    aliases = {f"{MODEL}.{alias}" for alias in objects.get(META, {}).get("aliases", {})}  # stored in a full file
     placeholders = {k: torch.empty(source.tensors[k].shape, dtype=source.tensors[k].dtype)  # not resident
-                    for k in keys if k in source.tensors and k not in aliases}
+                    for k in keys if k in source.tensors}
     nested = assemble(source, {**objects, **placeholders})
     skeleton = nested if with_optimizer else nested[MODEL]
     where = {k: source.paths[k] if with_optimizer else source.paths[k][1:] for k in placeholders}
@@ -82,7 +83,7 @@ def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, pref
     `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`. Names lose `prefix` (entries without
     it are left out); tied names are written once, under the first. Returns the names left out."""
     source = open_source(path)
-    meta = source.read({META: None})[META] if META in source.paths else {}
+    meta = read_meta_item(source)
     order = {name: i for i, name in enumerate(meta.get("state_dict_keys", []))}
     names = sorted((p[1] for k, p in source.paths.items() if p[0] == MODEL and k in source.tensors),
                    key=lambda n: order.get(n, len(order)))

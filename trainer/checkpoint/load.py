@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 def restore(trainer: Trainer, path: str, weights_only: bool) -> None:
     """Load a checkpoint (a directory or a full file) into `trainer`, after checking that all of it fits."""
     source = open_source(path)
-    meta = source.read({META: None})[META] if META in source.paths else {}
+    meta = read_meta_item(source)
     same_world = meta.get("world_size") == trainer.world_size
     objects = source.read({key: None for key in _objects_needed(source, trainer, weights_only, same_world)})
     if not weights_only and TRAINER not in objects:
@@ -40,10 +40,11 @@ def restore(trainer: Trainer, path: str, weights_only: bool) -> None:
         for name, entries in trainer.strategy.optimizer_state_targets(optimizer, saved["state"]).items():
             for key, target in entries.items():
                 (shards if isinstance(target, FlatPieces) else plain)[saved["keys"][name, key]] = target
-        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-            group.update({k: v for k, v in saved_group.items() if k not in ("params", "param_names")})
     source.read(plain, shards)
     trainer.strategy.state_loaded()
+    for optimizer, saved in zip(trainer.optimizers, optimizers):
+        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k not in ("params", "param_names")})
     if not weights_only:
         restore_trainer_state(trainer, objects[TRAINER], objects.get(f"{RNG}.{trainer.global_rank}"))
 
@@ -137,9 +138,16 @@ def load_checkpoint(path: str | os.PathLike, weights_only: bool = False) -> dict
     "optim", "trainer", "rng", "meta"} (what the checkpoint has of them; with `weights_only`, "model" and
     "meta"). Every item is checked as it is read."""
     source = open_source(path)
-    wanted = [k for k, p in source.paths.items() if p[0] in (MODEL, META) or not weights_only]
+    meta = read_meta_item(source)
+    tied = {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}  # a full file holds them: tied again below
+    wanted = [k for k, p in source.paths.items() if k != META and k not in tied and (p[0] == MODEL or not weights_only)]
     values = source.read({k: _empty(source.tensors[k]) if k in source.tensors else None for k in wanted})
-    return assemble(source, values)
+    return assemble(source, {**values, META: meta} if META in source.paths else values)
+
+
+def read_meta_item(source: Source) -> dict[str, Any]:
+    """The checkpoint's "meta" ({} for a plain state dict)."""
+    return source.read({META: None})[META] if META in source.paths else {}
 
 
 def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
