@@ -27,7 +27,7 @@ from .streamed_file import StreamedFullFile
 if TYPE_CHECKING:
     from ..trainer import Trainer
 
-BATCH_BYTES = 256 << 20  # read at most this much of a checkpoint at a time
+BATCH_BYTES = 64 << 20  # read about this much of a checkpoint at a time
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
@@ -72,7 +72,10 @@ def _batches(source: Source, keys: list[str]) -> Iterator[dict[str, torch.Tensor
             size += meta.numel() * meta.element_size()
         if batch and (key is None or size >= BATCH_BYTES):
             plain = {k: torch.empty(source.tensors[k].shape, dtype=source.tensors[k].dtype) for k in batch}
-            yield source.read(plain)
+            read = source.read(plain)
+            yield read
+            read.clear()  # the consumer's reference too: only one batch is ever held
+            plain.clear()
             batch, size = [], 0
 
 
