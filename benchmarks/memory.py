@@ -8,21 +8,28 @@ peak-RSS counter (/proc/self/clear_refs), trains a few AdamW steps, and reports 
 engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. Beside them: the memory plan's
 total per rank (strategies/plan, computed here on the meta device) against the peak above the process's baseline:
 its resident memory once torch, gloo and the Trainer are up and torch._dynamo is imported (torch.optim imports it
-with the first optimizer: ~150 MiB of code in every training process), before the model is built.
-Then every rank writes a full checkpoint (`trainer.save_checkpoint(path, full=True)`, gathered unit by unit to
-rank 0) and reports how far its resident memory rose during that save, next to the file's size. The jobs run with
-MALLOC_MMAP_THRESHOLD_=1048576 (unless set) so that freed buffers leave the resident set (see main()).
+with the first optimizer: ~150 MiB of code in every training process), before the model is built. Then, checkpoints:
+- a full checkpoint (`save_checkpoint(path, full=True)`, one file written by rank 0 a batch at a time): how far
+  each rank's resident memory rises, next to the file's size;
+- a checkpoint directory (DCP), saved synchronously and then asynchronously: how long training is stalled by the
+  call (each rank, between barriers), when the async save is complete, and the resident memory rise;
+- loading that directory into a fresh model and optimizer of the same strategy (`fit(ckpt_path=...)`): each
+  rank's resident memory rise while it loads, next to its own shard of model and optimizer state plus its
+  largest unit (what it may hold).
+The jobs run with MALLOC_MMAP_THRESHOLD_=1048576 (unless set) so that freed buffers leave the resident set.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,36 +73,46 @@ class PeakMemory(Callback):
         self.report = trainer.strategy.memory_report()
 
 
+def _strategy(name: str):
+    if name != "fsdp":
+        return name
+    from examples.gpt import Block
+    from strategies import FSDPStrategy
+
+    return FSDPStrategy(auto_wrap_policy={Block})
+
+
+def _trainer(strategy: str, devices: int, steps: int, callbacks: list) -> Trainer:
+    return Trainer(strategy=_strategy(strategy), devices=devices, max_steps=steps, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, callbacks=callbacks)
+
+
 def run_one(strategy: str, preset: str, steps: int, devices: int) -> None:
     seed_everything(0)
     config = GPT_PRESETS[preset]
     data = TextWindows(torch.randint(0, 256, (config.block_size * 64 + 1,), dtype=torch.uint8), config.block_size)
-    policy = {"auto_wrap_policy": None}
-    if strategy == "fsdp":
-        from examples.gpt import Block
-        from strategies import FSDPStrategy
-
-        strategy_arg = FSDPStrategy(auto_wrap_policy={Block})
-    else:
-        strategy_arg = strategy
-    del policy
     peak = PeakMemory()
-    trainer = Trainer(strategy=strategy_arg, devices=devices, max_steps=steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[peak])
+    trainer = _trainer(strategy, devices, steps, [peak])
     importlib.import_module("torch._dynamo")  # what the first optimizer imports (torch.optim's add_param_group)
-
     baseline = _rss_kib("VmRSS:") * 1024  # torch, gloo, the Trainer and what a step imports; no model yet
     trainer.fit(GPTModule(config, max_steps=steps), DataLoader(data, batch_size=BATCH_SIZE))
     row = {"strategy": strategy, "rank": trainer.global_rank, "peak_rss": peak.peak_rss, "start_rss": peak.start_rss,
            "baseline_rss": baseline, "report": peak.report, "params": GPT.count_parameters(config),
            **_full_save_rise(trainer)}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = os.path.join(trainer.strategy.broadcast(tmp), "ckpt")
+        row.update(_save_stalls(trainer, directory))
+        del trainer, peak  # the model and optimizer of training go before the load is measured
+        gc.collect()
+        trainer = _load_rise(strategy, config, steps, devices, directory, data, row)
+        trainer.strategy.barrier()
     rows = trainer.strategy.all_gather_object(row)
     if trainer.is_global_zero:
         print("RESULT " + json.dumps(rows), flush=True)
 
 
 def _full_save_rise(trainer: Trainer) -> dict[str, int]:
-    """How far this rank's resident memory rises while a full checkpoint is gathered and written."""
+    """How far this rank's resident memory rises while a full checkpoint is written."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(trainer.strategy.broadcast(tmp), "full.pt")
         before = _reset_peak_rss()
@@ -115,6 +132,53 @@ def memory_plan(preset: str, devices: int):
                        wrap_policy={Block})
 
 
+def _save_stalls(trainer: Trainer, directory: str) -> dict[str, float]:
+    """Seconds `save_checkpoint` blocks this rank, synchronously and with async_save (then when the async save
+    is complete), and the resident memory rise of each. The sync one stays at `directory` for loading."""
+    out: dict[str, float] = {}
+    for mode, path in (("sync", directory), ("async", directory + "-async")):
+        trainer.strategy.barrier()
+        before, start = _reset_peak_rss(), time.perf_counter()
+        trainer.save_checkpoint(path, async_save=mode == "async")
+        out[f"{mode}_stall"] = time.perf_counter() - start
+        trainer.checkpointer.wait()
+        out[f"{mode}_done"] = time.perf_counter() - start
+        out[f"{mode}_rise"] = _rss_kib("VmHWM:") * 1024 - before
+        trainer.strategy.barrier()
+    out["dcp_bytes"] = sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
+    return out
+
+
+class _LoadWindow(Callback):
+    """The resident memory rise from just before `fit` loads its ckpt_path (configure_optimizers runs right
+    before) until training would start; and what this rank may hold: its shard of the model and the optimizer
+    state (fp32 AdamW: 12 bytes per element of its pieces) plus its largest unit."""
+
+    def on_fit_start(self, trainer, module) -> None:
+        engine = trainer.strategy.engine
+        self.rise = _rss_kib("VmHWM:") * 1024 - module.rss_before_load
+        own = sum(piece.numel for unit in engine.units for piece in unit.pieces) or sum(
+            unit.layout.total for unit in engine.units)  # ddp: everything
+        self.budget = 12 * own + 4 * max(unit.layout.total for unit in engine.units)
+
+
+class _ResetBeforeLoad(GPTModule):
+    def configure_optimizers(self):
+        result = super().configure_optimizers()
+        self.rss_before_load = _reset_peak_rss()
+        return result
+
+
+def _load_rise(strategy: str, config, steps: int, devices: int, directory: str, data, row: dict) -> Trainer:
+    """Load `directory` into a new model and optimizer (max_steps is the checkpoint's step: nothing is trained);
+    adds the rise and the budget to `row`."""
+    window = _LoadWindow()
+    trainer = _trainer(strategy, devices, steps, [window])
+    trainer.fit(_ResetBeforeLoad(config, max_steps=steps), DataLoader(data, batch_size=BATCH_SIZE), ckpt_path=directory)
+    row.update(load_rise=window.rise, load_budget=window.budget)
+    return trainer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="100m", choices=sorted(GPT_PRESETS))
@@ -131,6 +195,7 @@ def main() -> None:
     print(f"{'strategy':8} {'rank':>4} {'model-state theory':>18} {'engine report':>14} {'peak RSS in training':>21}"
           f" {'RSS at start':>13} {'baseline':>9} {'plan total':>10} {'peak - baseline':>15} {'plan/measured':>13}"
           f" {'full save: RSS rise':>19} {'file':>6}   (MiB; params, grads, optimizer state by the engine)")
+    checkpoint_rows = []
     for strategy in args.strategies.split(","):
         command = [sys.executable, os.path.abspath(__file__), "--one", strategy, "--preset", args.preset,
                    "--steps", str(args.steps), "--devices", str(args.devices)]
@@ -153,6 +218,14 @@ def main() -> None:
                   f" {planned / measured:>13.3f}"
                   f" {row['save_rise'] / MiB:>19.0f} {row['save_file'] / MiB:>6.0f}"
                   f"   ({r['parameters'] / MiB:.0f}, {r['gradients'] / MiB:.0f}, {r['optimizer_state'] / MiB:.0f})")
+            checkpoint_rows.append(row)
+    print(f"\n{'strategy':8} {'rank':>4} {'sync save: stall s':>18} {'RSS rise':>9} {'async save: stall s':>19}"
+          f" {'complete s':>10} {'RSS rise':>9} {'load: RSS rise':>14} {'own shard + unit':>16} {'checkpoint':>10}"
+          "   (MiB)")
+    for row in checkpoint_rows:
+        print(f"{row['strategy']:8} {row['rank']:>4} {row['sync_stall']:>18.2f} {row['sync_rise'] / MiB:>9.0f}"
+              f" {row['async_stall']:>19.2f} {row['async_done']:>10.2f} {row['async_rise'] / MiB:>9.0f}"
+              f" {row['load_rise'] / MiB:>14.0f} {row['load_budget'] / MiB:>16.0f} {row['dcp_bytes'] / MiB:>10.0f}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,10 @@ class ModelCheckpoint(Callback):
       A monitored metric still not logged when fit ends (validation never ran, say) is an error listing the
       logged ones, as is one missing when a save is due.
       `monitor=None`: keeps the `save_top_k` most recent.
-    - `save_last`: also writes `dirpath/last`, replaced only once the new one is complete.
+    - `save_last`: also writes `dirpath/last`, replaced only once the new one is complete (when a top-k
+      checkpoint is written at the same step, `last` is made of the same files: hard links, not a second save).
+    - `async_save`: the files are written in the background while training goes on (see
+      `Trainer.save_checkpoint`); checkpoints that fall out of the top k are removed once the new one is in place.
     - `dirpath` defaults to `<trainer.log_dir or trainer.default_root_dir>/checkpoints`; `filename` is a
       template such as "{epoch}-{val/loss:.3f}" (names are inserted: "epoch=3-val_loss=0.123"), default
       "{epoch}-{step}".
@@ -46,7 +48,7 @@ class ModelCheckpoint(Callback):
                  monitor: str | None = None, *, mode: str = "min", save_top_k: int = 1,
                  save_last: bool | None = None, every_n_train_steps: int | None = None,
                  every_n_epochs: int | None = None, save_on_train_epoch_end: bool | None = None,
-                 auto_insert_metric_name: bool = True, verbose: bool = False) -> None:
+                 auto_insert_metric_name: bool = True, verbose: bool = False, async_save: bool = False) -> None:
         check_mode("ModelCheckpoint", mode)
         _check_triggers(save_top_k, every_n_train_steps, every_n_epochs)
         self.dirpath = _realpath(dirpath) if dirpath is not None else None
@@ -58,6 +60,7 @@ class ModelCheckpoint(Callback):
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.auto_insert_metric_name = auto_insert_metric_name
         self.verbose = verbose
+        self.async_save = async_save
         both_unset = every_n_train_steps is None and every_n_epochs is None
         self.every_n_epochs = 1 if both_unset else (every_n_epochs or 0)
         self.every_n_train_steps = every_n_train_steps or 0
@@ -74,6 +77,7 @@ class ModelCheckpoint(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._restored_paths: set[str] = set()  # checkpoints this callback wrote in the run it resumes
         self._epoch_ended = False  # in this fit: only then is a monitored metric never logged an error
+        self._due: list[tuple[str, list[str]]] = []  # (path, checkpoints to remove once it is in place)
 
     @property
     def state_key(self) -> str:
@@ -89,7 +93,9 @@ class ModelCheckpoint(Callback):
         self._dirpath_resolved = True
         self._epoch_ended = False
         if stage == "fit" and trainer.is_global_zero and os.path.isdir(dirpath):
-            _remove_staging_leftovers(dirpath)
+            from trainer.checkpoint.files import remove_incomplete
+
+            remove_incomplete(dirpath)  # staging folders of saves that crashed or were killed
             if os.listdir(dirpath):
                 warnings.warn(f"Checkpoint directory {dirpath} exists and is not empty.", stacklevel=2)
         if self._pending_state is not None:
@@ -138,9 +144,11 @@ class ModelCheckpoint(Callback):
 
     # -- saving ---------------------------------------------------------------------------------------------
     def _save(self, trainer: Trainer, strict: bool) -> None:
+        trainer.checkpointer.wait()  # the previous save is in place before names and the top k are decided
         metrics = broadcast_metrics(trainer)
         self._save_top_k(trainer, metrics, strict)
         self._save_last(trainer)
+        self._write(trainer)
 
     def _save_top_k(self, trainer: Trainer, metrics: dict[str, float], strict: bool) -> None:
         if self.save_top_k == 0:
@@ -215,15 +223,28 @@ class ModelCheckpoint(Callback):
         self._save_checkpoint(trainer, path, remove=stale)
 
     def _save_checkpoint(self, trainer: Trainer, path: str, remove: list[str]) -> None:
-        """Saves to `path`, then rank 0 removes `remove` once every rank is done. `trainer.save_checkpoint`
-        writes aside and renames, so an existing checkpoint at `path` is replaced only by a complete one.
+        """Saves to `path` (with the other paths due at this step, in `_write`); `remove` is removed afterwards.
         The state saved with the checkpoint is already updated to include it."""
         self._last_global_step_saved = trainer.global_step
-        trainer.save_checkpoint(path)
-        trainer.strategy.barrier()
-        if trainer.is_global_zero:
-            for old in remove:
-                _remove(old)
+        self._due.append((path, remove))
+
+    def _write(self, trainer: Trainer) -> None:
+        """One save for every path due at this step (the others are links to it); rank 0 removes the stale
+        checkpoints once it is in place on every rank. `trainer.save_checkpoint` writes aside and renames, so an
+        existing checkpoint is replaced only by a complete one."""
+        if not self._due:
+            return
+        due, self._due = self._due, []
+        stale = [old for _, remove in due for old in remove] if trainer.is_global_zero else []
+
+        def remove_stale() -> None:
+            from trainer.checkpoint.files import remove
+
+            for old in stale:
+                remove(old)
+
+        links = [path for path, _ in due[1:]]
+        trainer.checkpointer.save(trainer, due[0][0], async_save=self.async_save, links=links, on_done=remove_stale)
 
     def _new_path(self, trainer: Trainer, metrics: dict[str, float], reusable: list[str]) -> str:
         """The formatted name in `dirpath`, with "-v<n>" added if a checkpoint we keep has that name."""
@@ -305,20 +326,6 @@ def _check_triggers(save_top_k: int, every_n_train_steps: int | None, every_n_ep
     if (every_n_train_steps or 0) > 0 and (every_n_epochs or 0) > 0:
         raise ValueError("ModelCheckpoint: `every_n_train_steps` and `every_n_epochs` are mutually exclusive;"
                          f" got every_n_train_steps={every_n_train_steps}, every_n_epochs={every_n_epochs}")
-
-
-def _remove_staging_leftovers(dirpath: str) -> None:
-    """Staging folders ("<name>.tmp-<id>") of saves that crashed or were killed; no save runs during setup."""
-    for entry in os.listdir(dirpath):
-        if ".tmp-" in entry:
-            _remove(os.path.join(dirpath, entry))
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
 
 
 def _realpath(path: str | os.PathLike) -> str:

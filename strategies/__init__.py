@@ -5,13 +5,14 @@ from .ddp import DDPStrategy
 from .fsdp import FSDPStrategy
 from .options import MixedPrecision
 from .registry import STRATEGIES, get_strategy
-from .sharding import mark_as_unit
+from .sharding import FlatPieces, mark_as_unit
 from .single import SingleDeviceStrategy
 from .zero import ZeroStrategy
 
 __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
+    "FlatPieces",
     "MixedPrecision",
     "STRATEGIES",
     "SingleDeviceStrategy",

@@ -162,20 +162,28 @@ class Strategy:
 
     # ---- state --------------------------------------------------------------------------------------
     def model_state_pieces(self) -> dict[str, Any]:
+        """What this rank writes of the model's state dict in a checkpoint: its flat pieces of every parameter
+        (FlatPieces, under first names) and, on rank 0, the buffers. Nothing is gathered."""
         return engine_state.model_pieces(self.engine)
 
-    def optimizer_state_pieces(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return engine_state.optimizer_pieces(self.engine, optimizer)
+    def optimizer_state_pieces(self, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> dict:
+        """What this rank writes of `optimizer`'s state, keyed as torch's get_state_dict keys it (`group_names`:
+        the parameter names of each group)."""
+        return engine_state.optimizer_pieces(self.engine, optimizer, group_names)
 
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        engine_state.load_model_state(self.engine, state)
+    def model_state_targets(self) -> dict[str, Any]:
+        """Where this rank loads the state-dict entries it needs (FlatPieces or tensors, filled in place); call
+        `state_loaded` once they are filled."""
+        return engine_state.model_targets(self.engine)
+
+    def optimizer_state_targets(self, optimizer: torch.optim.Optimizer, saved: dict) -> dict[str, dict]:
+        """Install the optimizer state `saved` describes (name -> key -> meta tensor or value) and return where
+        this rank loads its tensors."""
+        return engine_state.optimizer_targets(self.engine, optimizer, saved)
+
+    def state_loaded(self) -> None:
+        """The targets are filled: bring every copy of the parameters up to date. Collective."""
         self.engine.after_parameters_changed()
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, param_groups: list) -> None:
-        engine_state.load_optimizer_state(self.engine, optimizer, state, param_groups)
-
-    def gather_optimizer_state_pieces(self, optimizer: torch.optim.Optimizer) -> Iterator[list[dict] | None]:
-        return engine_state.gather_optimizer_state_pieces(self.engine, optimizer)
 
     def parameter_aliases(self) -> dict[str, str]:
         return engine_state.parameter_aliases(self.engine.module)
@@ -184,9 +192,6 @@ class Strategy:
         """The unwrapped model's state dict, gathered unit by unit. Collective. Every rank gets it; with
         `rank_zero_only` the other ranks get {} and hold at most one unit at a time."""
         return engine_state.full_state_dict(self.engine, keep=self.is_global_zero or not rank_zero_only)
-
-    def iter_full_state_dict(self, rank_zero_only: bool = False) -> Iterator[dict[str, torch.Tensor]]:
-        return engine_state.iter_full_state_dict(self.engine, keep=self.is_global_zero or not rank_zero_only)
 
     def full_state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return engine_state.full_state_shapes(self.engine)

@@ -1,11 +1,14 @@
-"""Checkpoints on real ranks and real files: the directory format, exact resume, resharding between
-strategies and world sizes, `last`, corruption, the consolidate tool and checks against the model."""
+"""Checkpoints on real ranks and real files: the directory format (torch's DCP plus our integrity metadata),
+exact resume, resharding between strategies and world sizes, `last`, corruption, the consolidate tool and checks
+against the model, and reading them with torch's own tools (async saves: test_checkpoint_async.py, safetensors:
+test_safetensors.py)."""
 
 from __future__ import annotations
 
 import collections
 import functools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -14,8 +17,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback, ModelCheckpoint
@@ -23,6 +31,9 @@ from strategies import FSDPStrategy, ZeroStrategy, get_strategy
 from tests.ranks import ROOT
 from trainer import Trainer, TrainModule, seed_everything
 from trainer import checkpoint as ckpt_io
+from trainer.checkpoint import format as ckpt_format
+from trainer.checkpoint.planners import ShardLoadPlanner
+from trainer.checkpoint.streamed_file import StreamedFullFile
 
 VOCAB, DIM, SEQ = 11, 6, 5
 SAMPLES, GLOBAL_BATCH = 48, 12  # 4 optimizer steps per epoch at any world size that divides 12
@@ -113,8 +124,7 @@ def rank_zero(trainer: Trainer, value: object) -> object:
 
 def optimizer_state(path: str) -> dict[str, dict[str, torch.Tensor]]:
     """Optimizer 0's state in full, keyed by parameter name, read with no process group."""
-    meta, ranks = ckpt_io.load_rank_files(path)
-    return ckpt_io.load_full_optimizer_state(ranks, 0, meta["state_dict_keys"])[0]
+    return ckpt_io.load_checkpoint(path)["optim"]["state"]
 
 
 def assert_states_close(a: dict, b: dict, atol: float) -> None:
@@ -170,7 +180,7 @@ def saved(rank_pool, tmp_path_factory) -> tuple[str, dict[str, dict]]:
 def test_load_full_state_dict_equals_the_strategy_full_state_dict(saved, strategy):
     root, expected = saved
     path = os.path.join(root, strategy)
-    assert sorted(os.listdir(path)) == ["meta.json", "rank0.pt", "rank1.pt", "trainer.pt"]
+    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]
     assert not [n for n in os.listdir(root) if ".tmp-" in n or ".old-" in n]
 
     state = ckpt_io.load_full_state_dict(path)
@@ -179,18 +189,34 @@ def test_load_full_state_dict_equals_the_strategy_full_state_dict(saved, strateg
     assert state["net.head.weight"].data_ptr() == state["net.embed.weight"].data_ptr()  # the tie survives
     assert state["net.seen"].item() == 3  # buffers too
 
-    meta, ranks = ckpt_io.load_rank_files(path)
-    assert (meta["world_size"], meta["global_step"], meta["aliases"]) == (2, 3, {"net.head.weight": "net.embed.weight"})
-    params = {k: v for k, v in state.items() if k not in ("net.head.weight", "net.seen")}
-    for name, tensor in params.items():
-        covered = sorted((p["start"], p["end"]) for r in ranks if (p := r["model"].get(name)))
-        if strategy in SHARDED:  # each file holds slices; together they cover every element exactly once
-            assert covered[0][0] == 0 and covered[-1][1] == tensor.numel()
-            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
-        else:
-            assert covered == [(0, tensor.numel())] and name not in ranks[1]["model"]
-    if strategy in SHARDED:
-        assert all(r["model"] for r in ranks) and all(len(r["model"]) < len(state) for r in ranks)
+    meta = ckpt_io.read_meta(path)
+    assert (meta["world_size"], meta["global_step"]) == (2, 3)
+    assert ckpt_io.load_checkpoint(path)["meta"]["aliases"] == {"net.head.weight": "net.embed.weight"}
+    chunks = stored_chunks(path)
+    assert "model.net.head.weight" not in chunks  # a tied parameter is written once, under its first name
+    for name, tensor in state.items():
+        if name == "net.head.weight":
+            continue
+        # Written once in all (no chunk twice, even for replicated parameters), as rectangular chunks of the
+        # original tensor that together cover it
+        assert sum(math.prod(sizes) for _, sizes, _ in chunks[f"model.{name}"]) == tensor.numel(), name
+    files = {file for entries in chunks.values() for _, _, file in entries}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}  # each rank writes its own pieces, ddp included
+    # 175 parameters over 2 ranks: a parameter whose flat slice starts or ends inside a row is written as
+    # several chunks (at most 3 for a matrix), each within one rank's pieces
+    split = [n for n, c in chunks.items() if n.startswith("model.") and len({f for *_, f in c}) == 2]
+    assert split and all(len(chunks[n]) <= 4 for n in split)
+
+
+def stored_chunks(path: str) -> dict[str, list[tuple[tuple, tuple, str]]]:
+    """(offsets, sizes, file) of every chunk of every tensor of a DCP checkpoint, from its metadata."""
+    metadata = FileSystemReader(path).read_metadata()
+    out = collections.defaultdict(list)
+    for index, info in metadata.storage_data.items():
+        if index.offset is not None:
+            chunk = next(c for c in metadata.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
+            out[index.fqn].append((tuple(chunk.offsets), tuple(chunk.sizes), info.relative_path))
+    return dict(out)
 
 
 def test_sharded_checkpoints_hold_the_same_optimizer_state_as_ddp(saved):
@@ -207,6 +233,98 @@ def test_sharded_checkpoints_hold_the_same_optimizer_state_as_ddp(saved):
         assert_states_close({k: state[k] for k in reference}, reference, atol=1e-6)
 
 
+# -- read by torch's own tools, in one process with no process group ---------------------------------------
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+def test_torch_reads_the_checkpoint_with_its_own_tools_and_keys(saved, tmp_path):
+    """What tools that read torchtitan/FSDP2 checkpoints do: dcp_to_torch_save, and dcp.load into a plain state
+    dict of full tensors. Model and optimizer are keyed as torch's get_state_dict keys them, saved as
+    {"model": ..., "optim": ...}."""
+    root, expected = saved
+    path = os.path.join(root, "fsdp")
+    full = {k: v for k, v in expected["fsdp"]["full"].items() if k != "net.head.weight"}  # tied: stored once
+    reference = optimizer_state(os.path.join(root, "ddp"))
+
+    dcp_to_torch_save(path, tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=False)
+    assert set(converted) == {"model", "optim", "trainer", "rng", "meta"}
+    assert set(converted["model"]) == set(full)
+    assert_states_close({k: converted["model"][k] for k in full}, full, atol=0)
+    state = converted["optim"]["state"]
+    assert_states_close({k: {e: state[k][e] for e in reference[k]} for k in reference}, reference, atol=1e-6)
+    assert converted["optim"]["param_groups"][0]["params"] == [k for k in full if k != "net.seen"]
+    assert converted["trainer"]["state"]["global_step"] == 3 and sorted(converted["rng"]) == ["0", "1"]
+
+    plain = {"model": {k: torch.empty_like(v) for k, v in full.items()},
+             "optim": {"state": {k: {"exp_avg": torch.empty_like(full[k]), "step": torch.tensor(0.0)}
+                                 for k in reference}}}
+    dcp.load(plain, checkpoint_id=path)
+    assert_states_close(plain["model"], full, atol=0)
+    for name, entries in plain["optim"]["state"].items():
+        torch.testing.assert_close(entries["exp_avg"], reference[name]["exp_avg"], rtol=0, atol=1e-6)
+        assert float(entries["step"]) == 3.0
+
+    # The same keys, shapes and dtypes as dcp.save writes for get_state_dict of the same model and optimizer.
+    module = LM()
+    optimizer, _ = module.configure_optimizers()
+    module.training_step(next(iter(loader())), 0).backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path / "torch")
+    theirs = FileSystemReader(tmp_path / "torch").read_metadata().state_dict_metadata
+    ours = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert set(ours) == set(theirs) - {"model.net.head.weight"} | {"trainer", "rng.0", "rng.1", "meta"}
+    for key, value in theirs.items():
+        if isinstance(value, TensorStorageMetadata) and key in ours:
+            assert (ours[key].size, ours[key].properties.dtype) == (value.size, value.properties.dtype), key
+
+
+@keeps_determinism_setting
+def _reads_body(root: str, source: str) -> dict:
+    """Resume fsdp at 2 ranks from `source`, counting what this rank reads."""
+    touched, copied = set(), collections.Counter()
+    real_read_item, real_resolve = ckpt_format.VerifiedReader.read_item, ShardLoadPlanner.resolve_tensor
+
+    def read_item(self, stream, relative_path, info):
+        touched.add((relative_path, info.offset, info.length))
+        return real_read_item(self, stream, relative_path, info)
+
+    def resolve_tensor(self, read_item):
+        if read_item.dest_index.fqn in self.shards:  # pieces of parameters and element-wise state
+            copied[read_item.dest_index.fqn.split(".")[0]] += math.prod(read_item.lengths)
+        return real_resolve(self, read_item)
+
+    ckpt_format.VerifiedReader.read_item, ShardLoadPlanner.resolve_tensor = read_item, resolve_tensor
+    try:
+        trainer, _ = fit(os.path.join(root, f"reads-{os.path.basename(source)}"), "fsdp", 2, 4, ckpt_path=source)
+    finally:
+        ckpt_format.VerifiedReader.read_item, ShardLoadPlanner.resolve_tensor = real_read_item, real_resolve
+    own = sum(piece.numel for unit in trainer.strategy.engine.units for piece in unit.pieces)
+    return {"touched": touched, "copied": dict(copied), "own": own, "rank": trainer.global_rank}
+
+
+def test_each_rank_reads_only_the_chunks_that_overlap_its_pieces(saved, rank_pool):
+    root, _ = saved
+    for source in ("fsdp", "ddp"):
+        path = os.path.join(root, source)
+        chunks = _tensor_items(path)
+        results = rank_pool(2).run(_reads_body, root, path)
+        for result in results:
+            # exactly its own pieces of the weights and of both Adam states: no other element is copied
+            assert result["copied"] == {"model": result["own"], "optim": 2 * result["own"]}, source
+            tensors = {(file, offset) for file, offset, _ in result["touched"]} & set(chunks)
+            assert tensors and len(tensors) < len(chunks)
+            if source == "fsdp":  # the same layout: a rank reads its own file's chunks and no other's
+                tensors = {item for item in tensors if chunks[item].endswith(("exp_avg", "exp_avg_sq"))
+                           or chunks[item].startswith("model.net.") and chunks[item] != "model.net.seen"}
+                assert {file for file, _ in tensors} == {f"__{result['rank']}_0.distcp"}
+
+
+def _tensor_items(path: str) -> dict[tuple[str, int], str]:
+    """The key of every stored tensor item (chunk) of a DCP checkpoint, by (file, offset)."""
+    storage = FileSystemReader(path).read_metadata().storage_data
+    return {(info.relative_path, info.offset): index.fqn for index, info in storage.items() if index.offset is not None}
+
+
 # -- the consolidate tool -------------------------------------------------------------------------------------
 def test_consolidate_cli_writes_plain_files_torch_load_reads(saved, tmp_path):
     root, expected = saved
@@ -219,51 +337,71 @@ def test_consolidate_cli_writes_plain_files_torch_load_reads(saved, tmp_path):
     ckpt_io.main(["consolidate", source, str(tmp_path / "w.pt")])  # the same entry point, in this process
     assert sorted(os.listdir(tmp_path)) == ["o.pt", "w.pt"]
 
-    weights = torch.load(tmp_path / "w.pt", weights_only=True)
+    weights = torch.load(tmp_path / "w.pt", weights_only=True)  # weights only: the model's plain state dict
     model_state = LM().state_dict()
     assert list(weights) == list(model_state)
     assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in model_state.items()}
     assert_states_close(weights, expected["fsdp"]["full"], atol=0)
 
+    # Everything: what torch's dcp_to_torch_save writes (model and optimizer state keyed as torch's
+    # get_state_dict keys them), tied names included, in one plain file.
     full = torch.load(tmp_path / "o.pt", weights_only=True)
-    assert_states_close(full["state_dict"], weights, atol=0)
-    (optimizer,) = full["optimizers"]
+    assert set(full) == {"model", "optim", "trainer", "rng", "meta"}
+    assert_states_close(full["model"], weights, atol=0)
+    assert full["model"]["net.head.weight"].data_ptr() == full["model"]["net.embed.weight"].data_ptr()
+    optimizer = full["optim"]
     assert_states_close(optimizer["state"], optimizer_state(source), atol=0)
     for name, entries in optimizer["state"].items():
         assert entries["exp_avg"].shape == entries["exp_avg_sq"].shape == model_state[name].shape
     (group,) = optimizer["param_groups"]
     assert group["lr"] == pytest.approx(0.01)
-    assert group["param_names"] == [k for k in model_state if k in optimizer["state"]]  # once each, model order
+    assert group["params"] == [k for k in model_state if k in optimizer["state"]]  # once each, model order
+    assert full["meta"]["optimizers"] == [{"class": "Adam"}]
 
 
 # -- corruption -------------------------------------------------------------------------------------------
-def test_a_corrupted_or_truncated_file_is_named_and_refused(saved, tmp_path):
-    root, _ = saved
-    flipped, cut = str(tmp_path / "flipped"), str(tmp_path / "cut")
-    shutil.copytree(os.path.join(root, "zero2"), flipped)
-    shutil.copytree(os.path.join(root, "zero2"), cut)
-    with open(os.path.join(flipped, "rank1.pt"), "r+b") as f:
-        f.seek(os.path.getsize(os.path.join(flipped, "rank1.pt")) // 2)
+def _flip_byte(path: str, offset: int | None = None) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2 if offset is None else offset)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with open(os.path.join(cut, "rank0.pt"), "r+b") as f:
-        f.truncate(100)
 
-    with pytest.raises(ValueError, match=r"flipped/rank1\.pt.*corrupted"):
+
+def _item_of(path: str, prefix: str, file: str) -> tuple[int, int]:
+    """(offset, length) of a stored item of a key that starts with `prefix` in `file` of a DCP checkpoint."""
+    storage = FileSystemReader(path).read_metadata().storage_data
+    return next((info.offset, info.length) for index, info in storage.items()
+                if index.fqn.startswith(prefix) and info.relative_path == file)
+
+
+def test_a_corrupted_or_truncated_file_is_named_and_refused(saved, tmp_path):
+    """DCP checks nothing; meta.json keeps each file's size and a checksum of every item in it, and every item
+    is checked as it is read."""
+    root, _ = saved
+    flipped, cut, bad_metadata = str(tmp_path / "flipped"), str(tmp_path / "cut"), str(tmp_path / "bad_metadata")
+    for copy in (flipped, cut, bad_metadata):
+        shutil.copytree(os.path.join(root, "zero2"), copy)
+    offset, length = _item_of(flipped, "model.net.", "__1_0.distcp")  # a weight: read by any load
+    _flip_byte(os.path.join(flipped, "__1_0.distcp"), offset + length - 20)
+    with open(os.path.join(cut, "__0_0.distcp"), "r+b") as f:
+        f.truncate(100)
+    _flip_byte(os.path.join(bad_metadata, ".metadata"))
+
+    with pytest.raises(ValueError, match=r"flipped/__1_0\.distcp.*corrupted"):
         ckpt_io.load_full_state_dict(flipped)
-    with pytest.raises(ValueError, match=r"cut/rank0\.pt.*truncated"):
+    with pytest.raises(ValueError, match=r"cut/__0_0\.distcp.*truncated"):
         ckpt_io.load_full_state_dict(cut)
-    with pytest.raises(ValueError, match=r"flipped/rank1\.pt"):
+    with pytest.raises(ValueError, match=r"bad_metadata/\.metadata.*corrupted"):
+        ckpt_io.load_full_state_dict(bad_metadata)
+    with pytest.raises(ValueError, match=r"flipped/__1_0\.distcp"):
         fit(str(tmp_path), "single", 1, max_steps=4, ckpt_path=flipped)
-    with pytest.raises(ValueError, match=r"cut/rank0\.pt"):
+    with pytest.raises(ValueError, match=r"cut/__0_0\.distcp"):
         ckpt_io.consolidate(cut, str(tmp_path / "out.pt"))
     assert not os.path.exists(tmp_path / "out.pt")
-
-    with open(os.path.join(cut, "trainer.pt"), "ab") as f:
-        f.write(b"\0")
-    with pytest.raises(ValueError, match=r"cut/trainer\.pt"):
+    with pytest.raises(ValueError, match=r"cut/__0_0\.distcp"):  # refused even where only the trainer state is read
         ckpt_io.load_trainer_state(cut)
+
     os.remove(os.path.join(flipped, "meta.json"))
     with pytest.raises(ValueError, match=r"meta\.json is missing"):
         ckpt_io.load_full_state_dict(flipped)
@@ -344,24 +482,24 @@ def test_different_parameter_groups_are_refused_before_anything_is_loaded(saved,
         fit(str(tmp_path), "single", 1, max_steps=4, ckpt_path=str(tmp_path / "weights.pt"))
 
 
-def test_a_resume_reads_and_hashes_each_file_once(saved, tmp_path, monkeypatch):
+def test_a_resume_reads_and_checks_each_item_it_needs_once(saved, tmp_path, monkeypatch):
+    """One process resuming a 2-rank checkpoint needs all of it but the other world size's RNG states: it reads
+    (and checks) each of those items once."""
     root, _ = saved
-    hashed, loaded = collections.Counter(), collections.Counter()
-    real_sha256, real_load = ckpt_io.sha256, torch.load
+    path = os.path.join(root, "zero2")
+    read = collections.Counter()
+    real_read_item = ckpt_format.VerifiedReader.read_item
 
-    def counting_sha256(path):
-        hashed[os.path.basename(path)] += 1
-        return real_sha256(path)
+    def counting_read_item(self, stream, relative_path, info):
+        read[relative_path, info.offset] += 1
+        return real_read_item(self, stream, relative_path, info)
 
-    def counting_load(path, *args, **kwargs):
-        loaded[os.path.basename(path)] += 1
-        return real_load(path, *args, **kwargs)
-
-    monkeypatch.setattr(ckpt_io, "sha256", counting_sha256)
-    monkeypatch.setattr(torch, "load", counting_load)
-    trainer, _ = fit(str(tmp_path), "single", 1, max_steps=4, ckpt_path=os.path.join(root, "zero2"))
+    monkeypatch.setattr(ckpt_format.VerifiedReader, "read_item", counting_read_item)
+    trainer, _ = fit(str(tmp_path), "single", 1, max_steps=4, ckpt_path=path)
     assert trainer.global_step == 4
-    assert hashed == loaded == {"rank0.pt": 1, "rank1.pt": 1, "trainer.pt": 1}
+    storage = FileSystemReader(path).read_metadata().storage_data
+    needed = {(info.relative_path, info.offset) for index, info in storage.items() if not index.fqn.startswith("rng.")}
+    assert set(read) == needed and set(read.values()) == {1}
 
 
 # -- a full checkpoint: one file, gathered unit by unit -------------------------------------------------------
@@ -383,16 +521,19 @@ def test_a_full_checkpoint_is_one_file_that_resumes_exactly(rank_pool, tmp_path,
 
     full = torch.load(tmp_path / "full.pt")  # plain torch.load, weights_only by default
     directory = ckpt_io.load_checkpoint(tmp_path / "dir")
-    assert set(full) == {"state_dict", "optimizers", "trainer", "rng", "meta"}
-    assert (full["meta"]["world_size"], full["meta"]["global_step"], len(full["rng"])) == (2, 6, 2)
-    assert_states_close(full["state_dict"], directory["state_dict"], atol=0)
-    assert full["state_dict"]["net.head.weight"].data_ptr() == full["state_dict"]["net.embed.weight"].data_ptr()
-    assert_states_close(ckpt_io.load_full_state_dict(tmp_path / "full.pt"), directory["state_dict"], atol=0)
-    (optimizer,) = full["optimizers"]
-    assert optimizer["class"] == "Adam" and optimizer["param_groups"] == directory["optimizers"][0]["param_groups"]
-    assert_states_close(optimizer["state"], directory["optimizers"][0]["state"], atol=0)
-    for in_file, in_directory in zip(full["rng"], directory["rng"]):  # small tensors outside the gathered state
-        assert torch.equal(in_file["torch"], in_directory["torch"]) and in_file["torch"].any()
+    assert set(full) == set(directory) == {"model", "optim", "trainer", "rng", "meta"}
+    assert (full["meta"]["world_size"], full["meta"]["global_step"], sorted(full["rng"])) == (2, 6, ["0", "1"])
+    assert_states_close(full["model"], directory["model"], atol=0)
+    assert full["model"]["net.head.weight"].data_ptr() == full["model"]["net.embed.weight"].data_ptr()
+    from_file = ckpt_io.load_full_state_dict(tmp_path / "full.pt")
+    assert_states_close(from_file, directory["model"], atol=0)
+    assert from_file["net.head.weight"].data_ptr() == from_file["net.embed.weight"].data_ptr()
+    assert full["optim"]["param_groups"] == directory["optim"]["param_groups"]
+    assert_states_close(full["optim"]["state"], directory["optim"]["state"], atol=0)
+    assert full["meta"] == directory["meta"] and full["meta"]["optimizers"] == [{"class": "Adam"}]
+    for rank in ("0", "1"):
+        assert torch.equal(full["rng"][rank]["torch"], directory["rng"][rank]["torch"])
+        assert full["rng"][rank]["torch"].any()
     for key in ("state", "lr_schedulers", "module_extra"):
         assert full["trainer"][key] == directory["trainer"][key]
 
@@ -401,19 +542,19 @@ def test_a_full_checkpoint_is_one_file_that_resumes_exactly(rank_pool, tmp_path,
 
 
 def test_a_streamed_full_file_refuses_to_commit_with_tensors_never_gathered(tmp_path):
-    """save_checkpoint(full=True) writes the file's layout first and each tensor's bytes as it is gathered; a
+    """A full file is written layout first, then each tensor's bytes as it is read from the checkpoint; a
     tensor whose bytes never came would read as garbage, so the file is not put in place."""
     skeleton = {"state_dict": {"a": torch.empty(4, 3), "b": torch.empty(2)}, "rng": [torch.arange(5)]}
     placeholders = {("state_dict", "a"), ("state_dict", "b")}
     path = tmp_path / "full.pt"
 
-    writer = ckpt_io.StreamedFullFile(path, skeleton, placeholders)
+    writer = StreamedFullFile(path, skeleton, placeholders)
     writer.fill(("state_dict", "a"), torch.arange(12.0).view(4, 3))
     with pytest.raises(RuntimeError, match=r"no data was gathered for \[\"\('state_dict', 'b'\)\"\]"):
         writer.commit()
     assert os.listdir(tmp_path) == []
 
-    writer = ckpt_io.StreamedFullFile(path, skeleton, placeholders)
+    writer = StreamedFullFile(path, skeleton, placeholders)
     writer.fill(("state_dict", "a"), torch.arange(12.0).view(4, 3))
     writer.fill(("state_dict", "b"), torch.tensor([7.0, 8.0]))
     writer.commit()
@@ -553,14 +694,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
     path = str(tmp_path / "ckpts" / "last")
     trainer, _ = fit(str(tmp_path), "single", 1, max_steps=2, save_to=path)
     good = ckpt_io.load_full_state_dict(path)
-    real_write = ckpt_io._write
 
-    def crash_on_trainer_state(obj, file_path):
-        if file_path.endswith(ckpt_io.TRAINER_STATE):
-            raise OSError("disk full")
-        return real_write(obj, file_path)
+    def disk_full(*args, **kwargs):
+        raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt_io, "_write", crash_on_trainer_state)
+    monkeypatch.setattr(ckpt_format, "write_meta", disk_full)  # every file but meta.json is written
     trainer.module.net.embed.weight.data.add_(1.0)
     with pytest.raises(OSError, match="disk full"):
         trainer.save_checkpoint(path)

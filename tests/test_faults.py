@@ -118,9 +118,9 @@ def test_torchrun_restarts_a_killed_group_and_training_ends_with_the_uninterrupt
 
     final = torch.load(root / "final.pt")  # a full checkpoint: one plain file
     assert final["trainer"]["state"]["global_step"] == 10 and final["meta"]["world_size"] == 2
-    assert list(final["state_dict"]) == list(uninterrupted)
+    assert list(final["model"]) == list(uninterrupted)
     for name, tensor in uninterrupted.items():
-        assert torch.equal(final["state_dict"][name], tensor), name
+        assert torch.equal(final["model"][name], tensor), name
 
 
 def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_which_is_resumed(jobs):
@@ -128,7 +128,7 @@ def test_a_rank_killed_while_saving_leaves_the_previous_checkpoint_which_is_resu
     assert code == 0, err[-5000:]
     ckpts = jobs["restarts"].workdir / "ckpts"
     staging = (jobs["restarts"].workdir / "staging_at_fault").read_text().split()  # what the killed save left
-    assert "rank0.pt" in staging and "meta.json" not in staging
+    assert "__0_0.distcp" in staging and "meta.json" not in staging
     # The previous one was intact: the restart resumed from it (a resume verifies every file's checksum).
     assert _starts(jobs["restarts"].workdir)[-1] == (6, "epoch=0-step=6")
     assert ckpt_io.find_last(str(ckpts)) == str(ckpts / "epoch=1-step=9")  # saved again after the restart

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from callbacks import Callback, Logger, ModelCheckpoint, ProgressBar, TensorBoardLogger
 from strategies import Strategy, get_strategy
 
-from . import checkpoint as ckpt_io
 from . import config, launcher, planning
+from .checkpoint import Saver, find_last
 from .data import distributed_loader
 from .loop import StepRunner
 from .metrics import MetricCollector
@@ -109,6 +109,7 @@ class Trainer:
         self.param_group_names: list[list[list[str]]] = []  # by optimizer, by group
         self.should_stop = False
         self.ckpt_path: str | None = None
+        self.checkpointer = Saver()  # writes checkpoints; at most one save in flight
         self.num_training_batches = 0
         self.num_val_batches = 0
         self.sanity_checking = False
@@ -317,7 +318,9 @@ class Trainer:
         self._call("setup", stage=stage)
         try:
             yield
+            self.checkpointer.wait()  # the save in flight, if any, is complete before the stage ends
         except BaseException as error:
+            self.checkpointer.wait(raise_errors=False)
             self._call("on_exception", error)
             if self.logger is not None:
                 self.logger.finalize("failed")
@@ -336,31 +339,33 @@ class Trainer:
             module_hook(*args, **kwargs)
 
     # ---- checkpoints --------------------------------------------------------------------------------
-    def save_checkpoint(self, path: str | os.PathLike, full: bool = False) -> None:
-        """Write a checkpoint directory at `path`, or with `full=True` one file that torch.load reads (rank 0
-        writes it). Collective: call it on every rank."""
-        from .state import checkpoint_state, write_full_checkpoint
-
-        if full:
-            # Only rank 0 writes: it checks the path (and makes its folder) before any rank starts gathering.
-            problem = self.strategy.broadcast(_full_file_problem(os.fspath(path)) if self.is_global_zero else None)
-            if problem is not None:
-                raise ValueError(f"save_checkpoint(full=True): {problem}")
-            write_full_checkpoint(self, os.fspath(path))
+    def save_checkpoint(self, path: str | os.PathLike, full: bool = False, async_save: bool = False) -> None:
+        """Write a checkpoint directory at `path` (torch's DCP format; every rank writes its own pieces), or with
+        `full=True` one plain file that torch.load reads (rank 0 writes it). With `async_save=True` this returns
+        once the state is copied and the files are written while training goes on; one save is in flight at a
+        time, and the next save, the end of `fit` and a failure wait for it. Collective: call it on every rank."""
+        if full and async_save:
+            raise ValueError("save_checkpoint: async_save=True writes a checkpoint directory in the background, "
+                             "full=True one file synchronously; choose one of them")
+        if not full:
+            self.checkpointer.save(self, path, async_save=async_save)
             return
-        rank_state, trainer_state, meta = checkpoint_state(self)
-        ckpt_io.save_directory(os.fspath(path), rank_state, trainer_state, self.strategy, meta)
+        # Only rank 0 writes: it checks the path (and makes its folder) before any rank starts saving.
+        problem = self.strategy.broadcast(_full_file_problem(os.fspath(path)) if self.is_global_zero else None)
+        if problem is not None:
+            raise ValueError(f"save_checkpoint(full=True): {problem}")
+        self.checkpointer.save_full(self, os.fspath(path))
 
     def _restore(self, ckpt_path: str, weights_only: bool = False) -> None:
-        from .state import restore_checkpoint
+        from .checkpoint.load import restore
 
         if ckpt_path == "last":
-            found = ckpt_io.find_last(*self._checkpoint_dirs())
+            found = find_last(*self._checkpoint_dirs())
             if found is None:
                 return  # nothing saved yet: start from scratch, as Lightning does
             ckpt_path = found
         self.ckpt_path = os.fspath(ckpt_path)
-        restore_checkpoint(self, self.ckpt_path, weights_only)
+        restore(self, self.ckpt_path, weights_only)
 
     def _checkpoint_dirs(self) -> list[str]:
         """Where checkpoints go: the ModelCheckpoint's dirpath, or by default `<log_dir>/checkpoints`; a

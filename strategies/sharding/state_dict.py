@@ -1,8 +1,13 @@
-"""Model and optimizer state as pieces keyed by parameter name, and back.
+"""Model and optimizer state by parameter name: what this rank writes of it, where it loads it, and the whole
+model gathered unit by unit.
 
-A piece is {"shape", "dtype", "start", "end", "data"}: elements [start, end) of the flattened parameter `name`
-of global `shape`. Each rank reports the pieces it owns (under replication rank 0 reports whole tensors), so
-the same format serves every strategy and any checkpoint can be loaded under any layout.
+Every strategy writes the same thing: each parameter and its element-wise optimizer state as the flat slices of
+the layout this rank owns (`FlatPieces`; under ddp, where every rank holds everything, the slices it would own),
+so replicated state is written once, by all ranks in parallel, with nothing gathered (under hybrid sharding, by the
+ranks of the first copy only). Loading gives each rank
+the places its own state lives in: with sharded optimizer state (zero1, zero2, fsdp) its pieces of the master,
+replicated parameters (zero1, zero2) being all-gathered afterwards (`after_parameters_changed`); under ddp whole
+tensors. Tied parameters appear once, under their first name.
 """
 
 from __future__ import annotations
@@ -14,62 +19,8 @@ import torch
 from torch import nn
 
 from .engine import ShardingEngine
-from .object_gather import gather_to_rank_zero
-
-Pieces = dict[str, dict[str, Any]]
-
-
-def _piece(shape: torch.Size, start: int, end: int, data: torch.Tensor) -> dict[str, Any]:
-    return {
-        "shape": list(shape),
-        "dtype": str(data.dtype).removeprefix("torch."),
-        "start": start,
-        "end": end,
-        "data": _standalone(data.detach().reshape(-1).cpu()),
-    }
-
-
-def _standalone(flat: torch.Tensor) -> torch.Tensor:
-    """`flat` itself when it is all of its storage (optimizer state usually is), else a copy: torch.save writes
-    a view's whole storage, and the pieces of a flat parameter buffer are views. Pieces are saved or gathered
-    right away, so sharing memory with the live tensor is safe and saves a copy of the state during a save."""
-    whole = flat.storage_offset() == 0 and flat.untyped_storage().nbytes() == flat.numel() * flat.element_size()
-    return flat if whole else flat.clone()
-
-
-def _owned_pieces(engine: ShardingEngine) -> list[tuple[str, int, int, torch.Tensor, torch.Tensor]]:
-    """(name, start, end, parameter data, optimizer parameter) for what this rank is responsible for (the first
-    copy only, under hybrid sharding)."""
-    out = []
-    if engine.groups.replica != 0:
-        return out
-    for unit in engine.units:
-        if engine.spec.shard_optimizer_state:
-            for piece in unit.pieces:
-                shard = unit.shard_params[piece.param_index]
-                out.append((unit.param_names[piece.param_index], piece.start, piece.end, shard, shard))
-        elif engine.rank == 0:
-            for name, p in zip(unit.param_names, unit.params):
-                out.append((name, 0, p.numel(), p, p))
-    return out
-
-
-def _shape_of(engine: ShardingEngine, name: str) -> torch.Size:
-    unit, index = engine.unit_of(engine.param_by_name[name])
-    return unit.layout.shapes[index]
-
-
-def model_pieces(engine: ShardingEngine) -> Pieces:
-    """This rank's parameter pieces plus, on rank 0, every other state-dict entry (buffers) in full."""
-    pieces = {
-        name: _piece(_shape_of(engine, name), s, e, data) for name, s, e, data, _ in _owned_pieces(engine)
-    }
-    if engine.rank == 0 and engine.groups.replica == 0:
-        params = {id(p) for p in engine.module.parameters()}
-        for key, value in engine.module.state_dict(keep_vars=True).items():
-            if isinstance(value, torch.Tensor) and id(value) not in params:
-                pieces[key] = _piece(value.shape, 0, value.numel(), value)
-    return pieces
+from .flat_pieces import FlatPieces
+from .unit import ShardUnit
 
 
 def parameter_aliases(module: nn.Module) -> dict[str, str]:
@@ -84,89 +35,143 @@ def parameter_aliases(module: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def load_model_state(engine: ShardingEngine, state: dict[str, torch.Tensor]) -> None:
-    """Load a full state dict (first names of parameters, plus buffers) into the sharded model."""
-    engine.write_full_parameters(state)
+def _other_entries(engine: ShardingEngine) -> dict[str, Any]:
+    """The state-dict entries that are not parameters (buffers, extra state)."""
     params = {id(p) for p in engine.module.parameters()}
-    with torch.no_grad():
-        for key, value in engine.module.state_dict(keep_vars=True).items():
-            if isinstance(value, torch.Tensor) and id(value) not in params and key in state:
-                value.copy_(state[key])
+    aliases = parameter_aliases(engine.module)
+    return {
+        key: value
+        for key, value in engine.module.state_dict(keep_vars=True).items()
+        if id(value) not in params and key not in aliases
+    }
+
+
+def _owned_flat(unit: ShardUnit) -> torch.Tensor:
+    """This rank's slice of the unit's flat parameters, in master precision."""
+    if unit.spec.shard_optimizer_state:
+        return unit.master
+    lo, hi = unit.layout.shard_range(unit.rank)
+    return unit.full_flat[lo:hi]
 
 
 def _is_elementwise(key: str, value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and key != "step" and value.shape == param.shape
 
 
-def optimizer_pieces(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name: per-element state as pieces, scalars (like `step`) as is."""
-    owned = _owned_pieces(engine)
-    local_name = {id(opt_param): name for name, _, _, _, opt_param in owned}
-    state: dict[str, Any] = {}
-    for name, start, end, _, opt_param in owned:
-        entries = {}
-        for key, value in optimizer.state.get(opt_param, {}).items():
-            if _is_elementwise(key, value, opt_param):
-                entries[key] = _piece(_shape_of(engine, name), start, end, value)
-            else:
-                entries[key] = value.cpu().clone() if isinstance(value, torch.Tensor) else value
-        if entries:
-            state[name] = entries
-    groups = []
-    for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        hyper["param_names"] = [local_name[id(p)] for p in group["params"] if id(p) in local_name]
-        groups.append(hyper)
-    return {"class": type(optimizer).__name__, "state": state, "param_groups": groups}
+# ---- what this rank writes -------------------------------------------------------------------------------
+def model_pieces(engine: ShardingEngine) -> dict[str, Any]:
+    """This rank's pieces of every parameter and, on rank 0, the other state-dict entries (buffers) and the
+    parameters without elements (which no rank owns a piece of)."""
+    out: dict[str, Any] = {}
+    if engine.groups.replica != 0:  # hybrid sharding: another copy of the first group's pieces
+        return out
+    for unit in engine.units:
+        flat = _owned_flat(unit)
+        for piece in unit.pieces_by_rank[unit.rank]:
+            data = flat[piece.shard_offset : piece.shard_offset + piece.numel].detach()
+            shape = unit.layout.shapes[piece.param_index]
+            out[unit.param_names[piece.param_index]] = FlatPieces(shape, unit.dtype, [(piece.start, data)])
+        if engine.rank == 0:
+            for name, shape, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.numels):
+                if numel == 0:
+                    out[name] = torch.empty(shape, dtype=unit.dtype)
+    if engine.rank == 0:
+        out.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in _other_entries(engine).items()})
+    return out
 
 
-def load_optimizer_state(
-    engine: ShardingEngine,
-    optimizer: torch.optim.Optimizer,
-    full_state: dict[str, dict[str, Any]],
-    param_groups: list[dict[str, Any]],
-) -> None:
-    """Load optimizer state given in full (name -> key -> full tensor or scalar) into this rank's layout."""
-    for group, saved in zip(optimizer.param_groups, param_groups):
-        group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+def optimizer_pieces(
+    engine: ShardingEngine, optimizer: torch.optim.Optimizer, group_names: list[list[str]]
+) -> dict[str, Any]:
+    """The optimizer's state as torch's `get_state_dict` keys it, {"state": {name: {key: value}}, "param_groups":
+    [{hyperparameters, "params": names}]}, with this rank's pieces of the element-wise state (FlatPieces) and,
+    from the rank holding a parameter's first element, its other state (such as `step`)."""
+    sharded = engine.spec.shard_optimizer_state
+    state: dict[str, dict[str, Any]] = {}
+    for unit in engine.units if engine.groups.replica == 0 else []:  # hybrid: the first copy writes
+        for piece in unit.pieces_by_rank[unit.rank]:
+            index = piece.param_index
+            target = unit.shard_params.get(index) if sharded else unit.params[index]
+            shape = unit.layout.shapes[index]
+            entries = {}
+            for key, value in optimizer.state.get(target, {}).items():
+                if _is_elementwise(key, value, target):
+                    flat = value.detach().reshape(-1)
+                    flat = flat if sharded else flat[piece.start : piece.end]
+                    entries[key] = FlatPieces(shape, value.dtype, [(piece.start, flat)])
+                elif piece.start == 0:  # the same on every rank that holds a piece: written once
+                    entries[key] = value.detach() if isinstance(value, torch.Tensor) else value
+            if entries:
+                state[unit.param_names[index]] = entries
+    groups = [
+        {**{k: v for k, v in group.items() if k not in ("params", "param_names")}, "params": list(names)}
+        for group, names in zip(optimizer.param_groups, group_names)
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+# ---- where this rank loads ---------------------------------------------------------------------------------
+def model_targets(engine: ShardingEngine) -> dict[str, Any]:
+    """Where this rank loads each state-dict entry it needs: FlatPieces of its master (sharded optimizer state)
+    or of whole parameters (ddp), and the buffers themselves. Filled in place; then `after_parameters_changed`."""
+    out: dict[str, Any] = {}
+    for unit in engine.units:
+        if engine.spec.shard_optimizer_state:
+            for piece in unit.pieces:
+                data = unit.master[piece.shard_offset : piece.shard_offset + piece.numel]
+                shape = unit.layout.shapes[piece.param_index]
+                out[unit.param_names[piece.param_index]] = FlatPieces(shape, unit.dtype, [(piece.start, data)])
+        else:
+            for name, shape, offset, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.offsets,
+                                                  unit.layout.numels):
+                out[name] = FlatPieces(shape, unit.dtype, [(0, unit.full_flat[offset : offset + numel])])
+        for name, shape, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.numels):
+            if numel == 0:
+                out[name] = torch.empty(shape, dtype=unit.dtype)
+    out.update({k: v.data for k, v in _other_entries(engine).items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def optimizer_targets(
+    engine: ShardingEngine, optimizer: torch.optim.Optimizer, saved: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Install in `optimizer` the state `saved` describes for this rank's parameters (name -> key -> a meta
+    tensor of the saved shape and dtype, or a value) and return the tensors to fill: FlatPieces of the
+    element-wise state (this rank's pieces, or whole under ddp) and whole tensors of the rest."""
+    sharded = engine.spec.shard_optimizer_state
+    targets: dict[str, dict[str, Any]] = {}
     for unit in engine.units:
         for index, name in enumerate(unit.param_names):
-            saved = full_state.get(name)
-            target = unit.shard_params.get(index) if engine.spec.shard_optimizer_state else unit.params[index]
-            if saved is None or target is None:
+            target = unit.shard_params.get(index) if sharded else unit.params[index]
+            if name not in saved or target is None:
                 continue
-            piece = next((p for p in unit.pieces if p.param_index == index), None)
-            state = {}
-            for key, value in saved.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and key != "step"
-                    and value.numel() == unit.layout.numels[index]
-                ):
-                    flat = value.reshape(-1)
-                    value = flat[piece.start : piece.end] if piece is not None else value
-                    value = value.to(target.device).clone().view(target.shape)
+            start = next(p.start for p in unit.pieces if p.param_index == index) if sharded else 0
+            state, fill = {}, {}
+            for key, value in saved[name].items():
+                if isinstance(value, torch.Tensor) and key != "step" and value.shape == unit.layout.shapes[index]:
+                    state[key] = torch.empty(target.shape, dtype=value.dtype, device=target.device)
+                    fill[key] = FlatPieces(value.shape, value.dtype, [(start, state[key].view(-1))])
                 elif isinstance(value, torch.Tensor):
-                    value = value.clone()
-                state[key] = value
+                    state[key] = fill[key] = torch.empty(value.shape, dtype=value.dtype)
+                else:
+                    state[key] = value
             optimizer.state[target] = state
+            targets[name] = fill
+    return targets
 
 
+# ---- the whole model ---------------------------------------------------------------------------------------
 def iter_full_state_dict(engine: ShardingEngine, keep: bool) -> Iterator[dict[str, torch.Tensor]]:
     """The unwrapped model's state-dict entries in full, one unit's parameters at a time (under their first
     name; tied aliases left out), then the other entries (buffers). Collective: every rank must iterate to the
     end; where `keep` is False the entries are not copied out and empty dicts are yielded."""
     for names, views in engine.iter_full_parameters():
         yield {n: v.detach().cpu().clone() for n, v in zip(names, views)} if keep else {}
-    if not keep:
-        return
-    params = {id(p) for p in engine.module.parameters()}
-    aliases = parameter_aliases(engine.module)
-    rest = {}
-    for key, value in engine.module.state_dict(keep_vars=True).items():
-        if id(value) not in params and key not in aliases:
-            rest[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-    yield rest
+    if keep:
+        yield {
+            key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+            for key, value in _other_entries(engine).items()
+        }
 
 
 def full_state_dict(engine: ShardingEngine, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -193,17 +198,3 @@ def full_state_shapes(engine: ShardingEngine) -> dict[str, tuple[torch.Size, tor
     for key, value in engine.module.state_dict(keep_vars=True).items():
         out[key] = params.get(key) or (value.shape, value.dtype)
     return out
-
-
-def gather_optimizer_state_pieces(
-    engine: ShardingEngine, optimizer: torch.optim.Optimizer
-) -> Iterator[list[dict] | None]:
-    """Every rank's `optimizer_pieces`, sent to rank 0 one unit's parameters at a time. Collective. Yields, unit
-    by unit, the list by rank on rank 0 and None on the others."""
-    local = optimizer_pieces(engine, optimizer)
-    for unit in engine.units:
-        part = {**local, "state": {n: local["state"][n] for n in unit.param_names if n in local["state"]}}
-        if engine.groups.data_parallel_size == 1:
-            yield [part]
-            continue
-        yield gather_to_rank_zero(part)

@@ -3,7 +3,8 @@ ckpt_path="last", and can hurt itself on purpose.
 
 python tests/scripts/fault_train.py --root DIR --devices 2 [--fault KIND:STEP:RANK ...] [--timeout S]
   kill   rank RANK SIGKILLs itself once global step STEP is done
-  save   rank RANK SIGKILLs itself in the checkpoint save at step STEP, after writing its own file
+  save   rank RANK SIGKILLs itself in the checkpoint save at step STEP, after writing its own file (before
+         meta.json, which makes a checkpoint complete)
   hang   rank RANK sleeps before computing global step STEP
   term   rank RANK sends SIGTERM to itself once global step STEP is done
   pause  rank RANK, once global step STEP is done, writes DIR/paused and waits until DIR/resume exists (the test
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from callbacks import Callback, ModelCheckpoint  # noqa: E402
 from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
-from trainer import checkpoint as ckpt_io  # noqa: E402
+from trainer.checkpoint import format as ckpt_format  # noqa: E402
 
 
 class Net(TrainModule):
@@ -62,17 +63,17 @@ class Faults(Callback):
             self._die_in_saves()
 
     def _die_in_saves(self) -> None:
-        real_write = ckpt_io._write
+        real_integrity = ckpt_format.file_integrity
 
-        def write_then_die(obj, path):  # the test's way into the middle of a checkpoint save
-            info = real_write(obj, path)
-            if os.path.basename(path) == f"rank{self.trainer.global_rank}.pt" and self._due("save"):
+        def integrity_then_die(directory, name, *args):  # the test's way into the middle of a checkpoint save
+            info = real_integrity(directory, name, *args)
+            if name.startswith(f"__{self.trainer.global_rank}_") and self._due("save"):
                 with open(os.path.join(self.root, "staging_at_fault"), "w") as f:
-                    f.write("\n".join(sorted(os.listdir(os.path.dirname(path)))))
+                    f.write("\n".join(sorted(os.listdir(directory))))
                 self._fire("save", self.trainer.global_step)
             return info
 
-        ckpt_io._write = write_then_die
+        ckpt_format.file_integrity = integrity_then_die
 
     def setup(self, trainer, module, stage) -> None:
         self.trainer = trainer

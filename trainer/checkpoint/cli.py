@@ -1,0 +1,43 @@
+"""python -m trainer.checkpoint: consolidate a checkpoint into one plain file, or export its weights to
+safetensors in HuggingFace's layout."""
+
+from __future__ import annotations
+
+import argparse
+
+from .export import consolidate, export_safetensors
+
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _size(text: str) -> int:
+    number = text.rstrip("KMGIBkmgib")
+    unit = text[len(number):].upper()
+    if unit not in SIZE_UNITS or not number.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a unit such as 5GB or 500MiB")
+    return int(number) * SIZE_UNITS[unit]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    merge = commands.add_parser("consolidate", help="write a checkpoint as one plain torch.load file")
+    merge.add_argument("checkpoint")
+    merge.add_argument("out")
+    merge.add_argument("--with-optimizer", action="store_true",
+                       help="everything: model, optimizer state keyed by name, trainer state (a full checkpoint)")
+    export = commands.add_parser("export", help="write a checkpoint's weights in another format")
+    export.add_argument("checkpoint")
+    export.add_argument("out_dir")
+    export.add_argument("--format", choices=["safetensors"], default="safetensors")
+    export.add_argument("--prefix", default="", help="strip this from every name (e.g. 'model.'); others are left out")
+    export.add_argument("--max-shard-size", type=_size, default="5GB",
+                        help="above this, shards and model.safetensors.index.json (default 5GB)")
+    args = parser.parse_args(argv)
+    if args.command == "consolidate":
+        consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer)
+        print(f"wrote {args.out}")
+        return
+    left_out = export_safetensors(args.checkpoint, args.out_dir, args.prefix, args.max_shard_size)
+    note = f" (left out, not under {args.prefix!r}: {', '.join(left_out)})" if left_out else ""
+    print(f"wrote {args.out_dir}{note}")

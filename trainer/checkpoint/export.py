@@ -1,0 +1,197 @@
+"""Checkpoints out to one plain file and to safetensors in HuggingFace's layout, and weights in from safetensors.
+
+Out, in one process: a batch of tensors at a time is read from the checkpoint and written into a file whose
+layout was written first, so no process ever holds the whole model. In, under any strategy: each rank reads
+only the slices of the safetensors files that fall in its own pieces (DCP's HuggingFaceStorageReader), so a
+model built on the meta device is never materialized whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from strategies import FlatPieces
+
+from .format import META, MODEL, unwrapped
+from .load import assemble, read_meta_item
+from .planners import ShardLoadPlanner
+from .source import Source, open_source
+from .streamed_file import StreamedFullFile
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+BATCH_BYTES = 64 << 20  # read about this much of a checkpoint at a time
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+# ---- one plain file ----------------------------------------------------------------------------------------
+def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer: bool = False) -> None:
+    """Write any checkpoint as one plain file that torch.load reads: the model's state dict or, with
+    `with_optimizer`, everything (what `save_checkpoint(full=True)` writes). Streamed: a batch at a time."""
+    source = open_source(path)
+    meta = read_meta_item(source)
+    tied = {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}  # a full file holds them: tied again
+    keys = [k for k, p in source.paths.items() if k not in tied and (with_optimizer or p[0] in (MODEL, META))]
+    objects = source.read({k: None for k in keys if k not in source.tensors})
+    placeholders = {k: torch.empty(source.tensors[k].shape, dtype=source.tensors[k].dtype)  # not resident
+                    for k in keys if k in source.tensors}
+    nested = assemble(source, {**objects, **placeholders})
+    skeleton = nested if with_optimizer else nested[MODEL]
+    where = {k: source.paths[k] if with_optimizer else source.paths[k][1:] for k in placeholders}
+    writer = StreamedFullFile(out, skeleton, set(where.values()))
+    del skeleton, nested
+    try:
+        for batch in _batches(source, list(placeholders)):
+            for key, tensor in batch.items():
+                writer.fill(where[key], tensor)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.commit()
+
+
+def _batches(source: Source, keys: list[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors of `keys` in full, read a batch of about BATCH_BYTES at a time."""
+    batch: list[str] = []
+    size = 0
+    for key in [*keys, None]:
+        if key is not None:
+            meta = source.tensors[key]
+            batch.append(key)
+            size += meta.numel() * meta.element_size()
+        if batch and (key is None or size >= BATCH_BYTES):
+            plain = {k: torch.empty(source.tensors[k].shape, dtype=source.tensors[k].dtype) for k in batch}
+            read = source.read(plain)
+            yield read
+            read.clear()  # the consumer's reference too: only one batch is ever held
+            plain.clear()
+            batch, size = [], 0
+
+
+# ---- safetensors out -----------------------------------------------------------------------------------------
+def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "",
+                       max_shard_size: int = 5 * 10**9) -> list[str]:
+    """Write a checkpoint's weights in HuggingFace's layout: `model.safetensors`, or above `max_shard_size` bytes
+    `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`. Names lose `prefix` (entries without
+    it are left out); tied names are written once, under the first. Returns the names left out."""
+    source = open_source(path)
+    meta = read_meta_item(source)
+    order = {name: i for i, name in enumerate(meta.get("state_dict_keys", []))}
+    names = sorted((p[1] for k, p in source.paths.items() if p[0] == MODEL and k in source.tensors),
+                   key=lambda n: order.get(n, len(order)))
+    names = [n for n in names if n not in meta.get("aliases", {})]
+    kept = [(n.removeprefix(prefix), f"{MODEL}.{n}") for n in names if n.startswith(prefix)]
+    shards = _shards([(name, source.tensors[key]) for name, key in kept], max_shard_size)
+    os.makedirs(out_dir, exist_ok=True)
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    keys = dict(kept)
+    for file, shard in zip(files, shards):
+        _write_safetensors(os.path.join(out_dir, file), source, [(name, keys[name]) for name in shard])
+    if len(files) > 1:
+        total = sum(source.tensors[key].numel() * source.tensors[key].element_size() for _, key in kept)
+        index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, s in zip(files, shards) for n in s}}
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return [n for n in names if not n.startswith(prefix)]
+
+
+def _shards(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, meta in tensors:
+        nbytes = meta.numel() * meta.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_safetensors(file: str, source: Source, entries: list[tuple[str, str]]) -> None:
+    """One safetensors file: its header (every tensor's dtype, shape and place) first, then each tensor's bytes
+    as it is read; written aside and renamed into place."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, key in entries:
+        meta = source.tensors[key]
+        if meta.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: safetensors has no dtype {meta.dtype}")
+        nbytes = meta.numel() * meta.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[meta.dtype], "shape": list(meta.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    tmp = f"{file}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for batch in _batches(source, [key for _, key in entries]):
+            for tensor in batch.values():
+                f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+
+
+# ---- safetensors in ------------------------------------------------------------------------------------------
+def load_safetensors(trainer: Trainer, path: str | os.PathLike, prefix: str = "") -> None:
+    """Load weights from safetensors files in HuggingFace's layout (a folder, or one file) into the trainer's
+    model: `prefix` + a name in the files is the model's name ("model." for a HuggingFace model held as
+    `self.model`). Every rank reads only its own pieces. Call it on every rank once the model is set up (for
+    example in `on_fit_start`); every parameter must be in the files, with its shape."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    folder = _safetensors_folder(os.fspath(path))
+    reader = HuggingFaceStorageReader(folder)
+    saved = reader.read_metadata().state_dict_metadata
+    strategy = trainer.strategy
+    _check_pretrained(trainer, saved, path, prefix)
+    plain, shards = {}, {}
+    for name, target in strategy.model_state_targets().items():
+        if name.startswith(prefix) and name.removeprefix(prefix) in saved:
+            (shards if isinstance(target, FlatPieces) else plain)[name.removeprefix(prefix)] = target
+    with unwrapped():
+        dcp.load(plain, storage_reader=reader, planner=ShardLoadPlanner(shards), no_dist=True)
+    strategy.state_loaded()
+
+
+def _safetensors_folder(path: str) -> str:
+    if os.path.isdir(path):
+        return path
+    folder = os.path.dirname(os.path.abspath(path))
+    others = [n for n in os.listdir(folder) if n.endswith(".safetensors") and n != os.path.basename(path)]
+    if not os.path.isfile(path) or others:
+        raise ValueError(f"load_safetensors: path={path!r} must be a folder of safetensors files, or the only "
+                         "safetensors file of its folder")
+    return folder
+
+
+def _check_pretrained(trainer: Trainer, saved: dict[str, Any], path: Any, prefix: str) -> None:
+    """Every parameter of the model must be in the files with its shape (buffers are loaded where present)."""
+    aliases = trainer.strategy.parameter_aliases()
+    params = {name for name, _ in trainer.module.named_parameters()}
+    problems = []
+    for name, (shape, _) in trainer.strategy.full_state_shapes().items():
+        stored = saved.get(name.removeprefix(prefix)) if name.startswith(prefix) else None
+        if name in aliases or (stored is None and name not in params):
+            continue
+        if stored is None:
+            problems.append(f"missing: {name}")
+        elif list(stored.size) != list(shape):
+            problems.append(f"shape of {name}: safetensors {list(stored.size)}, model {list(shape)}")
+    if problems:
+        raise ValueError(f"load_safetensors({os.fspath(path)!r}, prefix={prefix!r}) does not fit this model:\n  "
+                         + "\n  ".join(problems))

@@ -1,0 +1,220 @@
+"""Saving: every rank writes its own pieces with DCP, in parallel and with nothing gathered, into a staging
+folder that is renamed into place once rank 0 has written meta.json (every file's size and its items'
+checksums). Synchronously, or in the background with DCP's async_save: the state is copied first (the only
+stall), at most one save is in flight, and the next save, the end of a stage and a failure wait for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.utils._pytree import tree_map
+
+from strategies import FlatPieces
+
+from ..seed import rng_state
+from . import files, format
+from .format import META, MODEL, RNG, TRAINER, optim_key
+from .planners import Pickled, ShardSavePlanner
+from .trainer_state import meta, trainer_state
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
+    """This rank's nested state dict for DCP: its pieces of the model and optimizer state and its RNG states;
+    on rank 0 also the buffers, the parameter groups, the trainer state and the meta description."""
+    strategy = trainer.strategy
+    state: dict[str, Any] = {MODEL: strategy.model_state_pieces()}
+    for i, (optimizer, names) in enumerate(zip(trainer.optimizers, trainer.param_group_names)):
+        state[optim_key(i)] = strategy.optimizer_state_pieces(optimizer, names)
+        if not trainer.is_global_zero:
+            del state[optim_key(i)]["param_groups"]  # the same on every rank: written once
+    state[RNG] = {str(trainer.global_rank): Pickled(rng_state())}
+    if trainer.is_global_zero:
+        state[TRAINER], state[META] = Pickled(trainer_state(trainer)), Pickled(meta(trainer))
+    return state
+
+
+class Snapshot(AsyncStager):
+    """DCP's staging step for async saves: a copy of every tensor and piece in CPU memory, so that training can
+    change the originals while the copy is written."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return tree_map(_copy, state_dict)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, FlatPieces):
+        return FlatPieces(value.shape, value.dtype, [(s, d.detach().to("cpu", copy=True)) for s, d in value.pieces])
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return value
+
+
+class Saver:
+    """A trainer's checkpoint writer: at most one save in flight."""
+
+    def __init__(self) -> None:
+        self._pending: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    def save(
+        self,
+        trainer: Trainer,
+        path: str | os.PathLike,
+        async_save: bool = False,
+        links: list[str] = (),
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """Write a checkpoint of `trainer` at `path` (collective: every rank calls it); also put it at each of
+        `links` (hard links), then call `on_done` on rank 0. With `async_save` this returns once the state is
+        copied; the files are written in the background."""
+        self.wait()
+        path, strategy = os.path.abspath(os.fspath(path)), trainer.strategy
+        staging = strategy.broadcast(files.staging_path(path))
+        if strategy.is_global_zero:
+            files.remove_leftovers(path)  # staging folders of saves that crashed or were killed
+            os.makedirs(staging)
+        strategy.barrier()
+        summary = {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": trainer.world_size}
+        group = _checkpoint_group()
+        finish = _Finish(staging, path, [os.path.abspath(p) for p in links], on_done, summary, group)
+        options = dict(storage_writer=FileSystemWriter(staging), planner=ShardSavePlanner(), process_group=group,
+                       no_dist=group is None)
+        with format.unwrapped(finish.rank):
+            if not async_save:
+                finish(dcp.save(checkpoint_state(trainer), **options))
+                return
+            upload = dcp.async_save(checkpoint_state(trainer), async_stager=Snapshot(), **options)
+        self._executor = self._executor or ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._pending = self._executor.submit(_finish_upload, upload, finish)
+
+    def save_full(self, trainer: Trainer, path: str) -> None:
+        """One plain file at `path`, written by rank 0: every rank saves a checkpoint directory beside it, which
+        rank 0 then consolidates (a batch of tensors at a time) and removes. Collective."""
+        from .export import consolidate
+
+        strategy = trainer.strategy
+        directory = strategy.broadcast(files.staging_path(os.path.abspath(path)))  # removed by later saves if left
+        self.save(trainer, directory)
+        error = None
+        if strategy.is_global_zero:
+            try:
+                consolidate(directory, path, with_optimizer=True)
+            except Exception as raised:
+                error = raised
+            files.remove(directory)
+        message = strategy.broadcast(None if error is None else f"full checkpoint {path!r} failed: {error!r}")
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(message)
+
+    def wait(self, raise_errors: bool = True) -> None:
+        """Wait for the save in flight, if any; its error is raised (or, with `raise_errors=False`, logged)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except BaseException as error:
+            if raise_errors:
+                raise
+            log.error("the checkpoint save in flight failed: %r", error)
+
+
+def _finish_upload(upload: Future, finish: _Finish) -> None:
+    with format.unwrapped(finish.rank):
+        metadata = upload.result()
+    finish(metadata)
+
+
+class _Finish:
+    """After DCP wrote the files: each rank checksums the items in its files, rank 0 writes meta.json and renames
+    the staging folder into place, then links and `on_done`. Every rank learns whether it worked."""
+
+    def __init__(self, staging: str, path: str, links: list[str], on_done: Any, summary: dict, group: Any) -> None:
+        self.staging, self.path, self.links, self.on_done = staging, path, links, on_done
+        self.summary, self.group = summary, group
+        self.rank = dist.get_rank() if group is not None else 0
+
+    def __call__(self, metadata: Any) -> None:
+        mine: dict[str, list[tuple[int, int]]] = {}
+        for info in metadata.storage_data.values():
+            if info.relative_path.startswith(f"__{self.rank}_"):
+                mine.setdefault(info.relative_path, []).append((info.offset, info.length))
+        try:
+            report = {name: format.file_integrity(self.staging, name, items) for name, items in mine.items()}
+        except Exception as error:
+            report = error
+        reports = _gather(report, self.group)
+        error = self._complete(reports) if self.rank == 0 else None
+        message = None if error is None else f"checkpoint {self.path!r} was not completed: {error!r}"
+        message = _broadcast(message, self.group)
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(message)
+
+    def _complete(self, reports: list[Any]) -> BaseException | None:
+        try:
+            for report in reports:
+                if isinstance(report, BaseException):
+                    raise report
+            table = {name: info for report in reports for name, info in report.items()}
+            size = os.path.getsize(os.path.join(self.staging, format.DCP_METADATA))
+            table[format.DCP_METADATA] = format.file_integrity(self.staging, format.DCP_METADATA, [(0, size)])
+            summary = {"format": "torch.distributed.checkpoint", "format_version": format.FORMAT_VERSION}
+            format.write_meta(self.staging, {**summary, **self.summary, "files": table})
+            files.replace_directory(self.staging, self.path)
+            for link in self.links:
+                files.link_directory(self.path, link)
+            if self.on_done is not None:
+                self.on_done()
+        except Exception as error:
+            return error
+        return None
+
+
+_GROUP: list[Any] = [None, None]  # (the default group it was made for, the checkpoint group)
+
+
+def _checkpoint_group() -> Any:
+    """A gloo group of all ranks for checkpoint collectives, apart from training's (async saves run them in a
+    background thread); None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _GROUP[0] is not dist.group.WORLD:
+        _GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
+    return _GROUP[1]
+
+
+def _gather(obj: Any, group: Any) -> list[Any] | None:
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out
+
+
+def _broadcast(obj: Any, group: Any) -> Any:
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
