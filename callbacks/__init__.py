@@ -6,6 +6,7 @@ from callbacks.early_stopping import EarlyStopping
 from callbacks.loggers import Logger, TensorBoardLogger
 from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_checkpoint import ModelCheckpoint
+from callbacks.model_summary import ModelSummary
 from callbacks.progress import ProgressBar
 from callbacks.throughput import ThroughputMonitor
 
@@ -15,6 +16,7 @@ __all__ = [
     "LearningRateMonitor",
     "Logger",
     "ModelCheckpoint",
+    "ModelSummary",
     "ProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
@@ -70,7 +72,22 @@ class Callback:
         """Called after every micro-batch; on the last one of a step, after the optimizer step and after
         `global_step` was incremented."""
 
+    def on_before_backward(self, trainer: Trainer, module: TrainModule, loss: torch.Tensor) -> None:
+        pass
+
+    def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
+        """After backward, before clipping; see README for what `.grad` holds here under each strategy."""
+
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Optimizer) -> None:
+        """Before clipping and the optimizer step (as Lightning)."""
+
+    def on_before_zero_grad(self, trainer: Trainer, module: TrainModule, optimizer: Optimizer) -> None:
+        pass
+
+    def on_sanity_check_start(self, trainer: Trainer, module: TrainModule) -> None:
+        pass
+
+    def on_sanity_check_end(self, trainer: Trainer, module: TrainModule) -> None:
         pass
 
     # -- validation -----------------------------------------------------------------------------------------

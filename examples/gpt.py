@@ -308,7 +308,7 @@ class PrintValLoss(Callback):
 
     def on_validation_end(self, trainer, module) -> None:
         loss = trainer.callback_metrics.get("val/loss")
-        if trainer.is_global_zero and loss is not None:
+        if trainer.is_global_zero and loss is not None and not trainer.sanity_checking:
             tqdm.write(f"step {trainer.global_step:5d}  val/loss {float(loss):.4f}")
 
 

@@ -152,13 +152,31 @@ class Strategy:
         read and change in place; changes are kept on exit. Call it on every rank."""
         return self.engine.unsharded(module, write_back)
 
-    def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global L2 norm over every parameter on every rank; returns the norm before clipping."""
-        return self.engine.clip_grad_norm_(max_norm)
+    def clip_gradients(self, max_norm: float, params: list[torch.Tensor] | None = None,
+                       algorithm: str = "norm") -> torch.Tensor | None:
+        """Clip the gradients of `params` (all by default): "norm" by their global L2 norm over every rank
+        (returns that norm, before clipping), "value" each element to [-max_norm, max_norm]."""
+        if algorithm == "value":
+            self.engine.clip_grad_value_(max_norm, params)
+            return None
+        return self.engine.clip_grad_norm_(max_norm, params)
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
         return self.engine.gradient_tensors()
+
+    def visible_gradients(self) -> AbstractContextManager:
+        """Around the user's backward hooks: `.grad` of a parameter with a gradient is never None (zero2, fsdp: a
+        placeholder saying that this rank holds a shard; see full_gradients)."""
+        return self.engine.visible_gradients()
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's averaged gradient in full, by name. Collective (call it on every rank)."""
+        return self.engine.full_gradients()
+
+    def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+        """The module's parameters that `optimizer` (given to setup_optimizer) steps."""
+        return self.engine.optimizer_parameters(optimizer)
 
     # ---- state --------------------------------------------------------------------------------------
     def model_state_pieces(self) -> dict[str, Any]:
@@ -200,6 +218,12 @@ class Strategy:
         from .sharding.memory import memory_report
 
         return memory_report(self.engine)
+
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes of each parameter this rank holds between steps (under fsdp its shard)."""
+        from .sharding.memory import parameter_bytes
+
+        return parameter_bytes(self.engine)
 
     def teardown(self) -> None:
         """Detach the engine from the module (see ShardingEngine.remove_hooks) and drop it."""

@@ -27,7 +27,8 @@ from callbacks import ModelCheckpoint
 from strategies import FSDPStrategy
 from trainer import Trainer, TrainModule
 
-QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "num_sanity_val_steps": 0,
+         "enable_model_summary": False}
 STRATEGIES = ("ddp", "fsdp")
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-ACCELERATORS = ("auto", "cpu", "cuda")
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu")  # "gpu" is Lightning's name for cuda
+CLIP_ALGORITHMS = ("norm", "value")
 
 
 def _is_int(value: Any) -> bool:
@@ -17,6 +18,7 @@ def _is_int(value: Any) -> bool:
 def check_accelerator(accelerator: str) -> str:
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator={accelerator!r} is not supported; choose one of {list(ACCELERATORS)}")
+    accelerator = "cuda" if accelerator == "gpu" else accelerator
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
@@ -26,14 +28,52 @@ def check_accelerator(accelerator: str) -> str:
     return accelerator
 
 
-def check_devices(devices: Any, accelerator: str) -> int:
-    if devices == "auto":
-        return torch.cuda.device_count() if accelerator == "cuda" else 1
+def check_devices(devices: Any, accelerator: str) -> tuple[int, list[int] | None]:
+    """Ranks per node and, for a list (Lightning's `devices=[0, 2]`), the CUDA device of each local rank.
+    "auto" and -1: every GPU, or 1 process on CPU."""
+    if devices == "auto" or devices == -1:
+        return (torch.cuda.device_count() if accelerator == "cuda" else 1), None
+    if isinstance(devices, (list, tuple)):
+        if not devices or not all(_is_int(d) and d >= 0 for d in devices) or len(set(devices)) < len(devices):
+            raise ValueError(f"devices={devices!r} is not valid; a list names distinct device indices, e.g. [0, 1]")
+        if accelerator == "cuda" and max(devices) >= torch.cuda.device_count():
+            raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} CUDA devices are available")
+        return len(devices), list(devices)
     if not _is_int(devices) or devices < 1:
-        raise ValueError(f"devices={devices!r} is not valid; use a positive int (ranks per node) or 'auto'")
+        raise ValueError(f"devices={devices!r} is not valid; use a positive int (ranks per node), a list of "
+                         "device indices, -1 or 'auto'")
     if accelerator == "cuda" and devices > torch.cuda.device_count():
         raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} CUDA devices are available")
-    return devices
+    return devices, None
+
+
+def check_fast_dev_run(value: Any) -> int:
+    """Batches of a fast_dev_run: 0 (off), 1 for True, or n."""
+    if value is False or value is None:
+        return 0
+    if value is True:
+        return 1
+    if _is_int(value) and value >= 0:
+        return value
+    raise ValueError(f"fast_dev_run={value!r} is not valid; use False, True (1 batch) or a number of batches")
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False")
+    return value
+
+
+def check_sanity_steps(value: Any) -> int:
+    if _is_int(value) and value >= -1:
+        return value
+    raise ValueError(f"num_sanity_val_steps={value!r} is not valid; use an int >= 0 (batches), or -1 for all")
 
 
 def check_positive_int(name: str, value: Any, allow_none: bool = False, allow: tuple = ()) -> None:

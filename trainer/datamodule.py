@@ -57,3 +57,26 @@ class DataModule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+
+
+def datamodule_in(*given: Any, datamodule: DataModule | None = None) -> tuple[tuple, DataModule | None]:
+    """Lightning also takes the DataModule in the first loader's place (`fit(model, dm)`) or, by position, where
+    this Trainer has ckpt_path (`fit(model, None, None, dm)`): find it there; the others as given."""
+    found = [value for value in given if isinstance(value, DataModule)]
+    if datamodule is not None and not isinstance(datamodule, DataModule):
+        raise TypeError(f"datamodule must be a trainer.DataModule, got {type(datamodule).__name__}")
+    if found and datamodule is not None or len(found) > 1:
+        raise ValueError("a DataModule was given twice; pass it once, as datamodule=")
+    rest = tuple(None if isinstance(value, DataModule) else value for value in given)
+    return rest, datamodule or (found[0] if found else None)
+
+
+def prepare_data(trainer: Trainer, holders: list[Any]) -> None:
+    """Each holder's prepare_data(), once per machine (local rank 0) before any rank reads the data."""
+    holders = [h for h in holders if h is not None and callable(getattr(h, "prepare_data", None))]
+    if not holders:
+        return
+    if trainer.local_rank == 0:
+        for holder in holders:
+            holder.prepare_data()
+    trainer.strategy.barrier()

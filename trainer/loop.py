@@ -23,11 +23,11 @@ import torch.distributed as dist
 from . import preemption
 from .agreement import Agreement, agree
 from .data import limit_batches, loader_length, set_epoch
+from .evaluation import evaluate, log_metrics, to_step
 from .nonfinite import nonfinite_losses
 from .optimizers import step_schedulers
 from .seed import rng_state, set_rng_state
-from .state import move_to_device
-from .uneven import Lookahead, evaluation_batches, report_unused
+from .uneven import Lookahead, report_unused
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -55,6 +55,7 @@ class StepRunner:
         self._check_val_check_interval()
         self._log_start()
         t._call("on_fit_start")
+        self._sanity_check()
         t._call("on_train_start")
         while not self._finished():
             self.train_epoch()
@@ -86,11 +87,17 @@ class StepRunner:
 
     def _log_start(self) -> None:
         t = self.trainer
-        if t.logger is None:
-            return
-        t.logger.log_hyperparams(dict(self.module.hparams))
-        report = self.strategy.memory_report()
-        t.logger.log_metrics({f"memory/{k}_MiB": v / 2**20 for k, v in report.items()}, step=t.global_step)
+        if t.logger is not None:
+            t.logger.log_hyperparams(dict(self.module.hparams))
+        self._log_memory()
+
+    def _log_memory(self) -> None:
+        """Every rank's memory report (memory/rank<r>/<kind>_MiB), at the start and at each epoch's end."""
+        t = self.trainer
+        reports = self.strategy.all_gather_object(self.strategy.memory_report())
+        metrics = {f"memory/rank{r}/{k}_MiB": v / 2**20 for r, report in enumerate(reports) for k, v in report.items()}
+        if t.logger is not None and t.is_global_zero:
+            t.logger.log_metrics(metrics, step=t.global_step)
 
     def _finished(self) -> bool:
         t = self.trainer
@@ -161,7 +168,9 @@ class StepRunner:
         epoch_metrics = t.metrics.end_epoch()
         self._log(epoch_metrics)
         t._call("on_train_epoch_end")
-        step_schedulers(t, "epoch", t.current_epoch + 1)
+        self._log_memory()
+        if self.module.automatic_optimization:  # under manual optimization the user steps the schedulers
+            step_schedulers(t, "epoch", t.current_epoch + 1)
         t.state.epoch += 1
         t.state.batches_done_in_epoch = 0
         t.should_stop = self.strategy.reduce_boolean_decision(t.should_stop, all=False)
@@ -183,36 +192,43 @@ class StepRunner:
     # ---- one training batch -------------------------------------------------------------------------
     def train_batch(self, batch: Any, batch_idx: int) -> None:
         t = self.trainer
-        batch = self._to_step(batch)
+        batch = to_step(t, batch)
         t._call("on_train_batch_start", batch, batch_idx)
         with t.precision.autocast(), self.strategy.forward_context():
             output = self.module.training_step(batch, batch_idx)
-        loss = self._loss_from(output, batch_idx)
-        agreed = self._agree(loss, batch_idx)
-        window_end = (
-            (batch_idx + 1) % t.accumulate_grad_batches == 0
-            or batch_idx + 1 == t.num_training_batches
-            or agreed.last_batch
-        )
-        if agreed.skip or self._skip_window:
-            outputs = None
+        if not self.module.automatic_optimization:  # training_step did backward and the steps itself
+            outputs = self._manual_outputs(output, batch_idx)
         else:
-            with self.strategy.no_backward_sync(enabled=not window_end):
-                t.precision.scale_loss(loss / t.accumulate_grad_batches).backward()
-            self._backward_in_window = True
-            outputs = {"loss": loss.detach()}
-        if window_end:
-            self._optimizer_step(batch_idx)
-            self._stop_requested = agreed.stop
+            loss = self._loss_from(output, batch_idx)
+            agreed = self._agree(loss, batch_idx)
+            window_end = (
+                (batch_idx + 1) % t.accumulate_grad_batches == 0
+                or batch_idx + 1 == t.num_training_batches
+                or agreed.last_batch
+            )
+            if agreed.skip or self._skip_window:
+                outputs = None
+            else:
+                with self.strategy.no_backward_sync(enabled=not window_end):
+                    t.backward(loss / t.accumulate_grad_batches)
+                self._backward_in_window = True
+                outputs = {"loss": loss.detach()}
+            if window_end:
+                self._optimizer_step(batch_idx)
+                self._stop_requested = agreed.stop
         t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
         t._call("on_train_batch_end", outputs, batch, batch_idx)
 
-    def _to_step(self, batch: Any, real: bool = True) -> Any:
-        """The batch on the device in the precision's dtype; its size weighs the step's logged values."""
+    def _manual_outputs(self, output: Any, batch_idx: int) -> Any:
+        """Manual optimization: the ranks still agree on a signal or data that ran out; global_step counts the
+        optimizer steps training_step took (trainer.py counts them)."""
         t = self.trainer
-        batch = t.precision.convert_input(move_to_device(batch, self.strategy.root_device))
-        t.metrics.start_step(batch, real)
-        return batch
+        has_next = self._batches.has_next if isinstance(self._batches, Lookahead) else True
+        stop = t.signal_watch.received is not None
+        self.agreed = agree(self.strategy, None, False, stop, has_next, self._where(batch_idx))
+        self._stop_requested = self.agreed.stop
+        self._log_step_metrics()
+        return output
 
     def _loss_from(self, output: Any, batch_idx: int) -> torch.Tensor | None:
         loss = output["loss"] if isinstance(output, dict) and "loss" in output else output
@@ -253,14 +269,20 @@ class StepRunner:
         self._backward_in_window = self._skip_window = False
         any_rank = lambda flag: self.strategy.reduce_boolean_decision(flag, all=False)  # noqa: E731
         if stepping and t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
+            with self.strategy.visible_gradients():
+                t._call("on_before_optimizer_step", self.optimizer)  # before clipping, as Lightning
             if t.gradient_clip_val is not None:
                 stepping = self._clip_gradients(batch_idx)
             if stepping:
-                t._call("on_before_optimizer_step", self.optimizer)
                 self.optimizer.step()
+        t._call("on_before_zero_grad", self.optimizer)
         self.optimizer.zero_grad()
         t.state.global_step += 1
         step_schedulers(t, "step", t.global_step)
+        self._log_step_metrics()
+
+    def _log_step_metrics(self) -> None:
+        t = self.trainer
         if t.nonfinite.skipped:
             t.metrics.record("skipped_nonfinite_steps", t.nonfinite.skipped)
         step_metrics = t.metrics.pop_step_metrics()
@@ -271,8 +293,8 @@ class StepRunner:
         """Clip by the global norm; False to skip the step when that norm is not finite (on_nonfinite="skip").
         The norm is the same on every rank, so they all decide alike."""
         t = self.trainer
-        norm = self.strategy.clip_gradients(t.gradient_clip_val)
-        if t.nonfinite.checks and not torch.isfinite(norm):
+        norm = self.strategy.clip_gradients(t.gradient_clip_val, algorithm=t.gradient_clip_algorithm)
+        if norm is not None and t.nonfinite.checks and not torch.isfinite(norm):
             self._nonfinite(f"gradient norm ({float(norm)}, over every rank)", batch_idx)
             return False
         return True
@@ -285,64 +307,29 @@ class StepRunner:
         return preemption.stop(t.global_rank, t.signal_watch.received or signal.SIGTERM, t.global_step, path)
 
     def _log(self, metrics: dict[str, float]) -> None:
-        t = self.trainer
-        if metrics and t.logger is not None and t.is_global_zero:
-            t.logger.log_metrics({**metrics, "epoch": t.current_epoch}, step=t.global_step)
+        log_metrics(self.trainer, metrics)
 
-    # ---- evaluation ---------------------------------------------------------------------------------
     def validate(self) -> None:
         t = self.trainer
-        self.evaluate(self.val_loader, "validate", limit=t.num_val_batches)
+        evaluate(t, self.val_loader, "validate", limit=t.num_val_batches)
         self.module.train()
         t.metrics.stage = "train"
 
-    def evaluate(self, loader: Any, stage: str, limit: int | None = None) -> dict[str, float]:
+    def _sanity_check(self) -> None:
+        """A few validation batches before training (num_sanity_val_steps, as Lightning), so that a broken
+        validation_step fails in seconds; nothing it logs is kept, and checkpoint callbacks ignore it."""
         t = self.trainer
-        name = "validation" if stage == "validate" else "test"
-        if limit is None:
-            argument = "limit_val_batches" if stage == "validate" else "limit_test_batches"
-            limit = limit_batches(loader, getattr(t, argument), argument)
-            t.num_val_batches = limit
-        step_fn = self.module.validation_step if stage == "validate" else self.module.test_step
-        self.module.eval()
-        t.metrics.stage = stage
-        t._call(f"on_{name}_start")
-        t._call(f"on_{name}_epoch_start")
-        with torch.no_grad():
-            for batch_idx, (batch, real) in enumerate(evaluation_batches(loader, limit, self.strategy)):
-                batch = self._to_step(batch, real)
-                with t.precision.autocast(), self.strategy.forward_context():
-                    output = step_fn(batch, batch_idx)
-                if real:  # an empty step of a rank that has run out is not reported
-                    t._call(f"on_{name}_batch_end", output, batch, batch_idx)
-        t.metrics.start_step(None)  # what the epoch-end hooks log counts
-        metrics = t.metrics.end_epoch()
-        self._log(metrics)
-        t._call(f"on_{name}_epoch_end")
-        t._call(f"on_{name}_end")
-        return metrics
-
-    def predict(self, loader: Any) -> list[Any] | None:
-        """Each batch's prediction, in dataset order on rank 0 (loaders split by ShardSampler); None elsewhere."""
-        t = self.trainer
-        self.module.eval()
-        t.metrics.stage = "predict"
-        t._call("on_predict_start")
-        predictions = []
-        with torch.no_grad():
-            for batch_idx, (batch, real) in enumerate(evaluation_batches(loader, 2**62, self.strategy)):
-                batch = self._to_step(batch, real)
-                with t.precision.autocast(), self.strategy.forward_context():
-                    prediction = self.module.predict_step(batch, batch_idx)
-                if real:
-                    predictions.append(prediction)
-                    t._call("on_predict_batch_end", prediction, batch, batch_idx)
-        t._call("on_predict_end")
-        if not self.strategy.distributed:
-            return predictions
-        by_rank = self.strategy.all_gather_object(predictions)
-        return [prediction for ranks in by_rank for prediction in ranks] if t.is_global_zero else None
-
+        steps = t.num_val_batches if t.num_sanity_val_steps == -1 else min(t.num_sanity_val_steps, t.num_val_batches)
+        if self.val_loader is None or steps == 0:
+            return
+        t.sanity_checking = True
+        t._call("on_sanity_check_start")
+        evaluate(t, self.val_loader, "validate", limit=steps, log=False)
+        t._call("on_sanity_check_end")
+        t.sanity_checking = False
+        t.metrics.forget_published()
+        self.module.train()
+        t.metrics.stage = "train"
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):

@@ -22,6 +22,7 @@ class TrainModule(nn.Module):
         super().__init__()
         self._trainer: Trainer | None = None
         self.hparams = AttributeDict()
+        self.automatic_optimization = True  # False: training_step steps the optimizers itself (as Lightning)
 
     @property
     def trainer(self) -> Trainer:
@@ -80,18 +81,57 @@ class TrainModule(nn.Module):
         on_epoch: bool | None = None,
         sync_dist: bool = False,
         batch_size: int | None = None,
+        reduce_fx: Any = "mean",
+        logger: bool = True,
+        rank_zero_only: bool = False,
     ) -> None:
         """Log a metric. In training it defaults to per step; in validation and test to per epoch: the mean over
         the epoch's steps weighted by batch size (inferred from the batch, or `batch_size`). `sync_dist=True`
-        averages over the ranks too, so that the epoch value is one process's mean over the samples."""
+        averages over the ranks too, so that the epoch value is one process's mean over the samples.
+        `reduce_fx`: "mean", "sum", "max" or "min" (or torch's function) over the epoch (and ranks); `logger=False`:
+        only in callback_metrics and the progress bar; `rank_zero_only=True`: logged from rank 0 alone (no sync)."""
         self.trainer.metrics.log(
             name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch, sync_dist=sync_dist,
-            batch_size=batch_size,
+            batch_size=batch_size, reduce_fx=reduce_fx, logger=logger, rank_zero_only=rank_zero_only,
         )
 
     def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
         for name, value in metrics.items():
             self.log(name, value, **kwargs)
+
+    # ---- manual optimization (self.automatic_optimization = False) ----------------------------------
+    def optimizers(self) -> Any:
+        """The optimizer configure_optimizers returned (a list when it returned several), set up by the strategy:
+        its step() and zero_grad() drive the engine and count global_step."""
+        optimizers = self.trainer.optimizers
+        return optimizers[0] if len(optimizers) == 1 else list(optimizers)
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler (a list when there are several; None without): under manual optimization step them."""
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        return None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() with the precision's loss scaling, between the on_before/after_backward hooks."""
+        self.trainer.backward(loss)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Clip the gradients of `optimizer`'s parameters (across ranks and shards): by their global norm
+        ("norm", default) or each element ("value")."""
+        self.trainer.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def toggle_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Only `optimizer`'s parameters require gradients until untoggle_optimizer (as Lightning, for GANs)."""
+        own = {id(p) for p in self.trainer.strategy.optimizer_parameters(optimizer)}
+        self._toggled = {p: p.requires_grad for p in self.parameters()}
+        for p in self.parameters():
+            p.requires_grad_(id(p) in own and self._toggled[p])
+
+    def untoggle_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for p, requires_grad in getattr(self, "_toggled", {}).items():
+            p.requires_grad_(requires_grad)
+        self._toggled = {}
 
     # ---- what the user defines ----------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -124,13 +164,32 @@ class TrainModule(nn.Module):
     def predict_dataloader(self) -> Any:
         return None
 
-    # ---- hooks --------------------------------------------------------------------------------------
+    # ---- hooks, where Lightning calls them ---------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Before configure_model, on every rank ("fit", "validate", "test", "predict"); layers built here train."""
+
+    def teardown(self, stage: str) -> None: ...
     def on_fit_start(self) -> None: ...
     def on_fit_end(self) -> None: ...
+    def on_train_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
     def on_train_epoch_start(self) -> None: ...
     def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
     def on_validation_epoch_start(self) -> None: ...
     def on_validation_epoch_end(self) -> None: ...
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
     def on_test_epoch_end(self) -> None: ...
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...

@@ -145,3 +145,22 @@ def step_schedulers(trainer: Trainer, interval: str, count: int) -> None:
                                  f"{sorted(trainer.callback_metrics)} (or set 'strict': False to skip)")
             continue
         config.scheduler.step(float(value))
+
+
+def manual_optimization(trainer: Trainer) -> None:
+    """training_step steps the optimizers itself (self.automatic_optimization = False): each optimizer.step()
+    runs the on_before_optimizer_step hooks first and counts one global step after, as Lightning does."""
+    if trainer.precision.scaler is not None:
+        raise ValueError("manual optimization with precision='16-mixed' is not supported (its loss scaler must "
+                         "unscale and may skip steps); use 'bf16-mixed', or automatic optimization")
+
+    def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        with trainer.strategy.visible_gradients():
+            trainer._call("on_before_optimizer_step", optimizer)
+
+    def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        trainer.state.global_step += 1
+
+    for optimizer in trainer.optimizers:
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Iterator
@@ -11,20 +12,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from callbacks import Callback, Logger, ModelCheckpoint, ProgressBar, TensorBoardLogger
+from callbacks import (
+    Callback,
+    EarlyStopping,
+    LearningRateMonitor,
+    Logger,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    TensorBoardLogger,
+    ThroughputMonitor,
+)
 from strategies import Strategy, get_strategy
 
-from . import config, launcher, planning
+from . import config, evaluation, launcher, planning
 from .checkpoint import Saver, find_last
 from .data import distributed_loader
+from .datamodule import DataModule, datamodule_in, prepare_data
 from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
 from .nonfinite import NonFiniteGuard
-from .optimizers import SchedulerConfig, configure_optimizers
+from .optimizers import SchedulerConfig, configure_optimizers, manual_optimization
 from .precision import Precision, check_precision
 from .preemption import SignalWatch
 from .state import TrainerState
+from .unsupported import refuse as refuse_unsupported
+
+# What fast_dev_run turns off, as Lightning does: nothing is saved, logged or stopped early.
+FAST_DEV_RUN_DROPS = (ModelCheckpoint, EarlyStopping, LearningRateMonitor, ThroughputMonitor)
 
 
 class Trainer:
@@ -56,10 +72,17 @@ class Trainer:
         max_memory_per_rank: int | str | None = None,
         compile: bool = False,
         on_nonfinite: str = "error",
+        num_sanity_val_steps: int = 2,
+        enable_model_summary: bool = True,
+        fast_dev_run: bool | int = False,
+        use_distributed_sampler: bool = True,
+        gradient_clip_algorithm: str = "norm",
+        **unsupported: Any,
     ) -> None:
         # Every argument is checked here, before any rank is started.
+        refuse_unsupported(unsupported, list(inspect.signature(Trainer.__init__).parameters)[1:-1])
         self.accelerator = config.check_accelerator(accelerator)
-        devices = config.check_devices(devices, self.accelerator)
+        devices, self._device_ids = config.check_devices(devices, self.accelerator)
         config.check_positive_int("num_nodes", num_nodes)
         self.precision = Precision(check_precision(precision), self.accelerator)
         config.check_positive_int("max_epochs", max_epochs, allow_none=True, allow=(-1,))
@@ -67,6 +90,18 @@ class Trainer:
             raise ValueError(f"max_steps={max_steps!r} is not valid; use -1 (no limit) or a positive int")
         config.check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
         config.check_clip(gradient_clip_val)
+        self.gradient_clip_algorithm = config.check_choice("gradient_clip_algorithm", gradient_clip_algorithm,
+                                                           config.CLIP_ALGORITHMS)
+        self.num_sanity_val_steps = config.check_sanity_steps(num_sanity_val_steps)
+        self.use_distributed_sampler = config.check_bool("use_distributed_sampler", use_distributed_sampler)
+        enable_model_summary = config.check_bool("enable_model_summary", enable_model_summary)
+        self.fast_dev_run = config.check_fast_dev_run(fast_dev_run)
+        if self.fast_dev_run:  # n batches of each, once; nothing written (as Lightning)
+            n = self.fast_dev_run
+            limit_train_batches = limit_val_batches = limit_test_batches = max_steps = n
+            max_epochs, val_check_interval, self.num_sanity_val_steps = 1, 1.0, 0
+            logger, enable_checkpointing = False, False
+            callbacks = [cb for cb in callbacks or [] if not isinstance(cb, FAST_DEV_RUN_DROPS)]
         config.check_fraction_or_count("val_check_interval", val_check_interval, allow_zero=False)
         for name, value in [
             ("limit_train_batches", limit_train_batches),
@@ -95,15 +130,17 @@ class Trainer:
         self.log_every_n_steps, self.check_val_every_n_epoch = log_every_n_steps, check_val_every_n_epoch
         self.default_root_dir = os.fspath(default_root_dir)
         self.sync_batchnorm, self.deterministic = sync_batchnorm, deterministic
-        self.callbacks = self._build_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
+        self.callbacks = self._build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
+                                               enable_model_summary)
         self.logger = self._build_logger(logger)
         self._start_ranks(devices, num_nodes, config.check_timeout(timeout))
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
-        self.metrics = MetricCollector(reduce_sum=lambda t: self.strategy.all_reduce(t, "sum"))
+        self.metrics = MetricCollector(reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op))
         self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
         self.module: TrainModule | None = None
+        self.datamodule: DataModule | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self.param_group_names: list[list[list[str]]] = []  # by optimizer, by group
@@ -126,13 +163,16 @@ class Trainer:
             return get_strategy("ddp" if world_size > 1 or launcher.detect_environment() else "single")
         return get_strategy(strategy)
 
-    def _build_callbacks(self, callbacks: Any, progress_bar: bool, checkpointing: bool) -> list[Callback]:
+    def _build_callbacks(self, callbacks: Any, progress_bar: bool, checkpointing: bool,
+                         model_summary: bool) -> list[Callback]:
         callbacks = list(callbacks or [])
         for cb in callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks: {cb!r} is not a callbacks.Callback")
         if progress_bar and not any(isinstance(cb, ProgressBar) for cb in callbacks):
             callbacks.append(ProgressBar())
+        if model_summary and not any(isinstance(cb, ModelSummary) for cb in callbacks):
+            callbacks.append(ModelSummary())
         if checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
             callbacks.append(ModelCheckpoint())
         if not checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
@@ -170,14 +210,15 @@ class Trainer:
             backend = "nccl" if self.accelerator == "cuda" else "gloo"
             self._owns_process_group = launcher.init_process_group(env, backend, timeout)
         rank, world_size = (env.rank, env.world_size) if env else (0, 1)
+        self.local_rank = env.local_rank if env else 0
+        ids = self._device_ids
         device = (
-            torch.device("cuda", env.local_rank if env else 0)
+            torch.device("cuda", ids[self.local_rank] if ids else self.local_rank)
             if self.accelerator == "cuda"
             else torch.device("cpu")
         )
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.local_rank = env.local_rank if env else 0
         self.strategy.connect(device, world_size, rank)
         if self.logger is not None:
             self.logger.rank = rank
@@ -205,9 +246,12 @@ class Trainer:
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
         ckpt_path: str | None = None,
+        datamodule: DataModule | None = None,
     ) -> None:
-        """Train `module`; `ckpt_path` ("last" or a path) resumes a run. Once per Trainer. A SIGTERM meanwhile
-        ends it on every rank after a checkpoint (preemption.py)."""
+        """Train `module`; `ckpt_path` ("last" or a path) resumes a run; the data comes from the loaders, the
+        `datamodule`, or the module's own *_dataloader methods. Once per Trainer. A SIGTERM meanwhile ends it on
+        every rank after a checkpoint (preemption.py)."""
+        (train_dataloaders, ckpt_path), datamodule = datamodule_in(train_dataloaders, ckpt_path, datamodule=datamodule)
         if self._fit_called:
             raise RuntimeError(
                 "fit was already called on this Trainer: a Trainer fits once (its step, epoch and callbacks belong "
@@ -216,50 +260,52 @@ class Trainer:
             )
         self._fit_called = True
         self._choose_strategy(module, train_dataloaders)
-        self._setup(module, stage="fit")
-        train_loader = self._loader(
-            train_dataloaders, module.train_dataloader, "train_dataloaders", required=True
-        )
-        val_loader = self._loader(val_dataloaders, module.val_dataloader, "val_dataloaders", evaluation=True)
+        self._setup(module, "fit", datamodule)
+        source = datamodule or module
+        train_loader = self._loader(train_dataloaders, source.train_dataloader, "train_dataloaders", required=True)
+        val_loader = self._loader(val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
         self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
             module, self.strategy
         )
+        if not module.automatic_optimization:
+            manual_optimization(self)
         if ckpt_path is not None:
             self._restore(ckpt_path)
         with self.signal_watch, self._stage("fit"):  # SIGTERM stays noted until the stage has ended
             StepRunner(self, train_loader, val_loader).fit()
 
     def validate(
-        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
+        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+        datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
-        return self._evaluate("validate", module, dataloaders, ckpt_path)
+        return self._evaluate("validate", module, dataloaders, ckpt_path, datamodule)
 
     def test(
-        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
+        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+        datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
-        return self._evaluate("test", module, dataloaders, ckpt_path)
+        return self._evaluate("test", module, dataloaders, ckpt_path, datamodule)
 
     def predict(
-        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None
+        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
+        datamodule: DataModule | None = None,
     ) -> list[Any] | None:
         """Each batch's prediction, in dataset order, on rank 0 (None on the other ranks)."""
-        self._choose_strategy(module or self.module, None)
-        module = self._setup(module or self.module, stage="predict")
-        loader = self._loader(dataloaders, module.predict_dataloader, "dataloaders", required=True, evaluation=True)
-        if ckpt_path is not None:
-            self._restore(ckpt_path, weights_only=True)
-        with self._stage("predict"):
-            return StepRunner(self, None, loader).predict(loader)
+        return self._evaluate("predict", module, dataloaders, ckpt_path, datamodule)
 
-    def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any) -> list[dict[str, float]]:
+    def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any, datamodule: Any) -> Any:
+        (dataloaders, ckpt_path), datamodule = datamodule_in(dataloaders, ckpt_path, datamodule=datamodule)
         self._choose_strategy(module or self.module, None)
-        module = self._setup(module or self.module, stage=stage)
-        default = module.val_dataloader if stage == "validate" else module.test_dataloader
+        module = self._setup(module or self.module, stage, datamodule)
+        loader_of = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+        default = getattr(datamodule or module, loader_of[stage])
         loader = self._loader(dataloaders, default, "dataloaders", required=True, evaluation=True)
         if ckpt_path is not None:
             self._restore(ckpt_path, weights_only=True)
         with self._stage(stage):
-            return [StepRunner(self, None, loader).evaluate(loader, stage)]
+            if stage == "predict":
+                return evaluation.predict(self, loader)
+            return [evaluation.evaluate(self, loader, stage)]
 
     # ---- memory plan --------------------------------------------------------------------------------
     def plan(
@@ -287,13 +333,21 @@ class Trainer:
             self.strategy = chosen
 
     # ---- pieces -------------------------------------------------------------------------------------
-    def _setup(self, module: Any, stage: str) -> TrainModule:
+    def _setup(self, module: Any, stage: str, datamodule: DataModule | None = None) -> TrainModule:
+        """The data prepared and set up, then the module: its setup(stage), and once configure_model and the
+        strategy's setup (as Lightning orders them)."""
         if not isinstance(module, TrainModule):
             raise TypeError(f"{stage}: module must be a trainer.TrainModule, got {type(module).__name__}")
         self.state.stage = stage
+        module._trainer = self
+        self.datamodule = datamodule
+        prepare_data(self, [datamodule, module])
+        if datamodule is not None:
+            datamodule.trainer = self
+            datamodule.setup(stage)
+        module.setup(stage)
         if module is self.module:
             return module
-        module._trainer = self
         self.module = module
         with self.strategy.model_init_context():
             module.configure_model()
@@ -305,10 +359,32 @@ class Trainer:
         self.strategy.setup_module(module)
         return module
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() with the precision's scaling, between the on_before_backward and on_after_backward
+        hooks (in which `.grad` is never None for a parameter that got a gradient)."""
+        scaled = self.precision.scale_loss(loss)
+        self._call("on_before_backward", scaled)
+        scaled.backward()
+        with self.strategy.visible_gradients():
+            self._call("on_after_backward")
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                       gradient_clip_algorithm: str | None = None) -> None:
+        """Clip the gradients of `optimizer`'s parameters (default: the Trainer's clipping settings)."""
+        value = gradient_clip_val if gradient_clip_val is not None else self.gradient_clip_val
+        algorithm = config.check_choice("gradient_clip_algorithm", gradient_clip_algorithm or
+                                        self.gradient_clip_algorithm, config.CLIP_ALGORITHMS)
+        if value is not None:
+            config.check_clip(value)
+            params = self.strategy.optimizer_parameters(optimizer)
+            self.strategy.clip_gradients(value, params=params, algorithm=algorithm)
+
     def _loader(self, given: Any, default: Any, argument: str, required: bool = False, evaluation: bool = False) -> Any:
         loader = given if given is not None else default()
         if loader is None and required:
-            raise ValueError(f"{argument}: no DataLoader given and the module's hook returns None")
+            raise ValueError(f"{argument}: no DataLoader given and the module's (or datamodule's) hook returns None")
+        if not self.use_distributed_sampler:
+            return loader  # as given: the user splits the data across ranks
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         return distributed_loader(loader, self.world_size, self.global_rank, seed, argument, evaluation)
 
@@ -327,6 +403,9 @@ class Trainer:
             raise
         finally:
             self._call("teardown", stage=stage)
+            self.module.teardown(stage)
+            if self.datamodule is not None:
+                self.datamodule.teardown(stage)
             if self.logger is not None:
                 self.logger.save()
 

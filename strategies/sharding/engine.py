@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats, wait
+from .collectives import CommStats, all_gather, wait
 from .forward import ForwardHooks
 from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
@@ -63,6 +63,7 @@ class ShardingEngine:
         self._full_precision_units: set[str] = set()
         self.stats = CommStats()
         self.optimizers: list[torch.optim.Optimizer] = []
+        self._optimizer_params: dict[int, list[nn.Parameter]] = {}
         self.sync_gradients = True
         self.in_backward = False
         self._backward_queued = False
@@ -248,6 +249,7 @@ class ShardingEngine:
         if optimizer.state:
             raise ValueError("configure_optimizers: the optimizer already has state; return a fresh optimizer")
         self.optimizers.append(optimizer)
+        self._optimizer_params[id(optimizer)] = params
         if self.spec.shard_optimizer_state:
             for group in optimizer.param_groups:
                 group["params"] = [shard for p in group["params"] if (shard := self.shard_of(p)) is not None]
@@ -285,14 +287,21 @@ class ShardingEngine:
             if indices:
                 unit.grads.zero(indices, set_to_none)
 
-    def gradient_tensors(self) -> list[torch.Tensor]:
-        """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
-        return [t for unit in self.units for t in unit.grads.tensors()]
+    def gradient_tensors(self, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The gradient tensors this rank's optimizer reads (of `params`, or all), in the master's dtype."""
+        wanted = None if params is None else {id(p) for p in params}
+        out = []
+        for unit in self.units:
+            indices = None if wanted is None else [i for i, p in enumerate(unit.params) if id(p) in wanted]
+            if indices != []:
+                out += unit.grads.tensors(indices)
+        return out
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so that their global L2 norm over every parameter on every rank is <= max_norm. The
+    def clip_grad_norm_(self, max_norm: float, params: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Scale gradients (of `params`, or all) so that their global L2 norm over every rank is <= max_norm. The
         norm is computed in the gradients' own dtype (the widest, if they differ), as torch's clip_grad_norm_."""
-        squares = [s for unit in self.units if (s := unit.grads.square_sum()) is not None]
+        grads = self.gradient_tensors(params)
+        squares = [torch.linalg.vector_norm(g).square() for g in grads]
         dtype = functools.reduce(torch.promote_types, (s.dtype for s in squares), torch.float32)
         total = torch.zeros((), dtype=dtype, device=self.device)
         for square in squares:
@@ -301,9 +310,49 @@ class ShardingEngine:
             dist.all_reduce(total, group=self.group)
         total = total.sqrt()
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for unit in self.units:
-            unit.grads.scale_(coefficient)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
         return total
+
+    def clip_grad_value_(self, value: float, params: list[torch.Tensor] | None = None) -> None:
+        """Clamp every gradient element (of `params`, or all) to [-value, value]; element-wise, so each rank
+        clamps what it holds."""
+        for grad in self.gradient_tensors(params):
+            grad.clamp_(-value, value)
+
+    @contextmanager
+    def visible_gradients(self) -> Iterator[None]:
+        """While the user's backward hooks run: sharded gradients show as placeholders on `.grad`, not None."""
+        for unit in self.units:
+            unit.grads.show()
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.grads.hide()
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        """Every parameter's averaged gradient in full, by name (those without one left out). Collective; holds
+        them all at once: for inspection, not for every step."""
+        out = {}
+        for unit in (u for u in self.units if any(u.trainable)):
+            if self.spec.shard_gradients:
+                shard = unit.grads.tensors()
+                if not shard:  # no gradient since zero_grad (on every rank alike)
+                    continue
+                full = torch.empty(unit.layout.padded_total, dtype=shard[0].dtype, device=self.device)
+                all_gather(full, shard[0].to(self.device), self.group, self.stats, async_op=False)
+                used = unit.grads.used.tolist()
+            else:
+                full, used = unit.grads.flat, [p.grad is not None for p in unit.params]
+            for name, view, has, trainable in zip(unit.param_names, unit.layout.views(full), used, unit.trainable):
+                if has and trainable:
+                    out[name] = view.detach().clone()
+        return out
+
+    def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+        """The module's parameters `optimizer` steps (its own holds this rank's pieces of them)."""
+        return self._optimizer_params[id(optimizer)]
 
     def after_parameters_changed(self, units: list[ShardUnit] | None = None) -> None:
         """Bring every copy of the parameters up to date with the (just stepped or loaded) master shards."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .collectives import Work, all_reduce_sum, reduce_scatter_parts, wait
+from .placeholder import sharded_gradient
 
 if TYPE_CHECKING:
     from .unit import ShardUnit
@@ -35,13 +36,11 @@ class NoGradients:
     def attach(self) -> None: ...
     def zero(self, indices: list[int], set_to_none: bool = True) -> None: ...
 
-    def square_sum(self) -> torch.Tensor | None:
-        return None
-
-    def scale_(self, factor: torch.Tensor) -> None: ...
-
-    def tensors(self) -> list[torch.Tensor]:
+    def tensors(self, indices: list[int] | None = None) -> list[torch.Tensor]:
         return []
+
+    def show(self) -> None: ...
+    def hide(self) -> None: ...
 
 
 class ReplicatedGradients:
@@ -129,14 +128,16 @@ class ReplicatedGradients:
                 shard = self.unit.shard_params[piece.param_index]
                 shard.grad = None if set_to_none or shard.grad is None else shard.grad.zero_()
 
-    def square_sum(self) -> torch.Tensor:
-        return torch.linalg.vector_norm(self.own).square()
+    def tensors(self, indices: list[int] | None = None) -> list[torch.Tensor]:
+        """What this rank's optimizer steps from (all of it, or the parts of the parameters `indices`)."""
+        if indices is None:
+            return [self.own]
+        if self.unit.spec.shard_optimizer_state:
+            return _piece_parts(self.own, self.unit.pieces, indices)
+        return [self.views[i] for i in indices]
 
-    def scale_(self, factor: torch.Tensor) -> None:
-        self.own.mul_(factor.to(self.own.device, self.own.dtype))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.own]
+    def show(self) -> None: ...  # `.grad` already holds the full averaged gradient
+    def hide(self) -> None: ...
 
 
 class ShardedGradients:
@@ -246,12 +247,25 @@ class ShardedGradients:
                 self.shard = None  # as torch's zero_grad(set_to_none=True): no memory held between steps
         self.attach()
 
-    def square_sum(self) -> torch.Tensor | None:
-        return None if self.shard is None else torch.linalg.vector_norm(self.shard).square()
+    def tensors(self, indices: list[int] | None = None) -> list[torch.Tensor]:
+        if self.shard is None:
+            return []
+        return [self.shard] if indices is None else _piece_parts(self.shard, self.unit.pieces, indices)
 
-    def scale_(self, factor: torch.Tensor) -> None:
-        if self.shard is not None:
-            self.shard.mul_(factor.to(self.shard.device, self.shard.dtype))
+    def show(self) -> None:
+        """Give each parameter that has a gradient a `.grad` placeholder saying where the gradient is (this rank
+        holds only its shard), instead of None, while the user's hooks run."""
+        used = self.used.tolist()
+        for index, p in enumerate(self.unit.params):
+            if self.unit.trainable[index] and used[index]:
+                p.grad = sharded_gradient(p, self.unit.param_names[index], self.unit.world_size)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [] if self.shard is None else [self.shard]
+    def hide(self) -> None:
+        for p in self.unit.params:
+            p.grad = None
+
+
+def _piece_parts(shard: torch.Tensor, pieces: list, indices: list[int]) -> list[torch.Tensor]:
+    """The parts of this rank's `shard` holding the pieces of the parameters `indices`."""
+    wanted = set(indices)
+    return [shard[p.shard_offset : p.shard_offset + p.numel] for p in pieces if p.param_index in wanted]

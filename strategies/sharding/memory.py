@@ -35,3 +35,17 @@ def memory_report(engine: ShardingEngine) -> dict[str, int]:
     report["optimizer_state"] = engine.optimizer_state_bytes + masters
     report["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report
+
+
+def parameter_bytes(engine: ShardingEngine) -> dict[str, int]:
+    """Bytes of each parameter (by its first name) that this rank holds between steps: its pieces of the master
+    under fsdp, the whole parameter otherwise."""
+    out = {}
+    for unit in engine.units:
+        for index, name in enumerate(unit.param_names):
+            if engine.spec.shard_parameters:
+                elements = sum(p.numel for p in unit.pieces if p.param_index == index)
+                out[name] = elements * unit.master.element_size()
+            else:
+                out[name] = unit.layout.numels[index] * unit.full_flat.element_size()
+    return out

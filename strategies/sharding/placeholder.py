@@ -110,3 +110,32 @@ def readable(params: Iterable[nn.Parameter]) -> Iterator[None]:
     finally:
         for p in marked:
             p.__class__ = ShardedParameter
+
+
+class ShardedGradient(torch.Tensor):
+    """What `.grad` of a parameter holds in the user's backward hooks when gradients are sharded (zero2, fsdp):
+    a placeholder of its shape, since this rank holds only its shard; reads say how to get the gradient."""
+
+    _sharded_name: str
+    _sharded_world_size: int
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        grad = next(a for a in _flat(args, kwargs) if isinstance(a, ShardedGradient))
+        raise ShardedParameterError(
+            f"the gradient of {grad._sharded_name!r} is reduce-scattered: each of the {grad._sharded_world_size} "
+            f"rank(s) holds only its shard, so it cannot be read here ({getattr(func, '__name__', func)}). Read it in "
+            "full with trainer.strategy.full_gradients() (every rank), or use ddp / zero1, whose .grad is the full "
+            "averaged gradient."
+        )
+
+
+def sharded_gradient(param: nn.Parameter, name: str, world_size: int) -> torch.Tensor:
+    """A ShardedGradient for `param` (no memory: one element seen at every position)."""
+    zero = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+    grad = torch.Tensor._make_subclass(ShardedGradient, zero)
+    grad._sharded_name, grad._sharded_world_size = name, world_size
+    return grad

@@ -28,6 +28,8 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
         "callbacks": callbacks,
         "precision": trainer.precision.state_dict(),
         "hparams": dict(trainer.module.hparams),
+        "module_class": f"{type(trainer.module).__module__}.{type(trainer.module).__qualname__}",
+        "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
         "module_extra": extra,
     }
 
@@ -59,5 +61,7 @@ def restore_trainer_state(trainer: Trainer, saved: dict[str, Any], rng: dict[str
             cb.load_state_dict(saved["callbacks"][cb.state_key])
         cb.on_load_checkpoint(trainer, trainer.module, saved["module_extra"])
     trainer.module.on_load_checkpoint(saved["module_extra"])
+    if trainer.datamodule is not None and saved.get("datamodule") is not None:
+        trainer.datamodule.load_state_dict(saved["datamodule"])
     if rng is not None:
         set_rng_state(rng)

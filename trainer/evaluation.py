@@ -1,0 +1,77 @@
+"""Evaluation and prediction: every rank runs the same number of steps, each sample is seen once (uneven.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .data import limit_batches
+from .state import move_to_device
+from .uneven import evaluation_batches
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+def to_step(trainer: Trainer, batch: Any, real: bool = True) -> Any:
+    """The batch on the device in the precision's dtype; its size weighs the step's logged values."""
+    batch = trainer.precision.convert_input(move_to_device(batch, trainer.strategy.root_device))
+    trainer.metrics.start_step(batch, real)
+    return batch
+
+
+def log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
+    if metrics and trainer.logger is not None and trainer.is_global_zero:
+        trainer.logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=trainer.global_step)
+
+
+def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None, log: bool = True) -> dict[str, float]:
+    """One pass of validation or test; returns the epoch metrics."""
+    t, module, strategy = trainer, trainer.module, trainer.strategy
+    name = "validation" if stage == "validate" else "test"
+    if limit is None:
+        argument = "limit_val_batches" if stage == "validate" else "limit_test_batches"
+        limit = limit_batches(loader, getattr(t, argument), argument)
+        t.num_val_batches = limit
+    step_fn = module.validation_step if stage == "validate" else module.test_step
+    module.eval()
+    t.metrics.stage = stage
+    t._call(f"on_{name}_start")
+    t._call(f"on_{name}_epoch_start")
+    with torch.no_grad():
+        for batch_idx, (batch, real) in enumerate(evaluation_batches(loader, limit, strategy)):
+            batch = to_step(t, batch, real)
+            with t.precision.autocast(), strategy.forward_context():
+                output = step_fn(batch, batch_idx)
+            if real:  # an empty step of a rank that has run out is not reported
+                t._call(f"on_{name}_batch_end", output, batch, batch_idx)
+    t.metrics.start_step(None)  # what the epoch-end hooks log counts
+    metrics = t.metrics.end_epoch()
+    if log:
+        log_metrics(t, metrics)
+    t._call(f"on_{name}_epoch_end")
+    t._call(f"on_{name}_end")
+    return metrics
+
+
+def predict(trainer: Trainer, loader: Any) -> list[Any] | None:
+    """Each batch's prediction, in dataset order on rank 0 (loaders split by ShardSampler); None elsewhere."""
+    t, module, strategy = trainer, trainer.module, trainer.strategy
+    module.eval()
+    t.metrics.stage = "predict"
+    t._call("on_predict_start")
+    predictions = []
+    with torch.no_grad():
+        for batch_idx, (batch, real) in enumerate(evaluation_batches(loader, 2**62, strategy)):
+            batch = to_step(t, batch, real)
+            with t.precision.autocast(), strategy.forward_context():
+                prediction = module.predict_step(batch, batch_idx)
+            if real:
+                predictions.append(prediction)
+                t._call("on_predict_batch_end", prediction, batch, batch_idx)
+    t._call("on_predict_end")
+    if not strategy.distributed:
+        return predictions
+    by_rank = strategy.all_gather_object(predictions)
+    return [prediction for ranks in by_rank for prediction in ranks] if t.is_global_zero else None
