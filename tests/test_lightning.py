@@ -7,11 +7,22 @@ optimization, ReduceLROnPlateau on a validation metric, a DataModule); only the 
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from callbacks import Callback
+from strategies import FSDPStrategy
+from strategies.sharding.placeholder import ShardedParameterError
+from tests.test_parity import max_relative_difference
+from trainer import DataModule, Trainer, TrainModule
 from trainer.hparams import AttributeDict
 from trainer.optimizers import normalize
 
@@ -92,3 +103,361 @@ def test_hparams_are_read_as_attributes_and_taken_from_init():
             self.save_hyperparameters(args, ignore=["seed"])
 
     assert FromNamespace(argparse.Namespace(lr=0.2, seed=1)).hparams == {"lr": 0.2}
+
+
+# ------------------------------------------------------------------ modules as Lightning's docs and demos write them
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+class RandomDataset(Dataset):
+    """lightning.pytorch.demos.boring_classes.RandomDataset."""
+
+    def __init__(self, size: int, length: int) -> None:
+        self.len = length
+        self.data = torch.randn(length, size, generator=torch.Generator().manual_seed(0))
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index]
+
+    def __len__(self) -> int:
+        return self.len
+
+
+class BoringModel(TrainModule):
+    """lightning.pytorch.demos.boring_classes.BoringModel, imports changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def loss(self, preds: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            labels = torch.ones_like(preds)
+        return torch.nn.functional.mse_loss(preds, labels)
+
+    def step(self, batch):
+        output = self(batch)
+        return self.loss(output)
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": self.step(batch)}
+
+    def validation_step(self, batch, batch_idx):
+        return {"x": self.step(batch)}
+
+    def test_step(self, batch, batch_idx):
+        return {"y": self.step(batch)}
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        return [optimizer], [lr_scheduler]
+
+    def train_dataloader(self):
+        return DataLoader(RandomDataset(32, 64))
+
+    def val_dataloader(self):
+        return DataLoader(RandomDataset(32, 64))
+
+    def test_dataloader(self):
+        return DataLoader(RandomDataset(32, 64))
+
+
+def make_strategy(name: str):
+    return FSDPStrategy() if name == "fsdp" else name
+
+
+def body_boring_model_every_strategy() -> dict:
+    out = {}
+    for name in STRATEGIES:
+        torch.manual_seed(0)
+        model = BoringModel()
+        trainer = Trainer(strategy=make_strategy(name), devices=dist.get_world_size(), max_epochs=1,
+                          limit_train_batches=4, limit_val_batches=2, **QUIET)
+        trainer.fit(model)
+        tested = trainer.test(model)
+        out[name] = (trainer.global_step, trainer.strategy.full_state_dict(), tested,
+                     trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+    return out
+
+
+def test_lightnings_boring_model_runs_under_every_strategy(rank_pool):
+    ranks = rank_pool(2).run(body_boring_model_every_strategy)
+    weights = ranks[0]["ddp"][1]
+    for name in STRATEGIES:
+        steps, state, tested, scheduler_epochs = ranks[0][name]
+        assert steps == 4 and scheduler_epochs == 1 and tested == [{}]  # ([opt], [sched]): StepLR per epoch
+        assert max_relative_difference(state, weights) <= 1e-5, name
+
+
+# ------------------------------------------------------------------ Trainer arguments users pass every day
+
+
+class Plateau(BoringModel):
+    """ReduceLROnPlateau following a validation metric that never improves."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", torch.tensor(1.0))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss"}}
+
+
+def test_reduce_lr_on_plateau_steps_with_its_monitored_metric(tmp_path):
+    trainer = Trainer(devices=1, max_epochs=3, limit_train_batches=2, limit_val_batches=1,
+                      default_root_dir=tmp_path, **QUIET)
+    model = Plateau()
+    trainer.fit(model)
+    # epoch 1 sets the best; epochs 2 and 3 do not improve: two halvings
+    assert model.optimizers().param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+class BrokenValidation(BoringModel):
+    trained = 0
+
+    def training_step(self, batch, batch_idx):
+        BrokenValidation.trained += 1
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        raise RuntimeError("a bug in validation_step")
+
+
+def test_the_sanity_check_finds_a_broken_validation_step_before_training(tmp_path):
+    with pytest.raises(RuntimeError, match="a bug in validation_step"):
+        Trainer(devices=1, max_epochs=1, default_root_dir=tmp_path, **QUIET).fit(BrokenValidation())
+    assert BrokenValidation.trained == 0
+    trainer = Trainer(devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0,
+                      default_root_dir=tmp_path, **QUIET)
+    trainer.fit(BrokenValidation())  # no validation: no sanity check either
+    with pytest.raises(ValueError, match="num_sanity_val_steps"):
+        Trainer(num_sanity_val_steps=-2)
+
+
+def test_fast_dev_run_runs_a_batch_of_each_and_writes_nothing(tmp_path):
+    from callbacks import ModelCheckpoint
+
+    trainer = Trainer(devices=1, fast_dev_run=True, default_root_dir=tmp_path,
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")], enable_progress_bar=False)
+    model = BoringModel()
+    trainer.fit(model)
+    assert trainer.global_step == 1 and trainer.num_val_batches == 1
+    assert trainer.logger is None and not os.path.exists(tmp_path / "ckpts") and os.listdir(tmp_path) == []
+    assert Trainer(fast_dev_run=3, **QUIET).limit_train_batches == 3
+    with pytest.raises(ValueError, match="fast_dev_run"):
+        Trainer(fast_dev_run=-1)
+
+
+def test_lightning_names_for_accelerator_devices_and_precision():
+    assert Trainer(devices=-1, **QUIET).world_size == 1
+    assert Trainer(devices=[0], accelerator="cpu", **QUIET).world_size == 1
+    with pytest.raises(ValueError, match="no CUDA device"):
+        Trainer(accelerator="gpu")
+    for precision in ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"):
+        Trainer(precision=precision, **QUIET)
+    trainer = Trainer(precision="16-true", max_steps=2, **QUIET, num_sanity_val_steps=0)
+    model = BoringModel()
+    trainer.fit(model)
+    assert model.layer.weight.dtype == torch.float16
+    with pytest.raises(ValueError, match="gradient_clip_algorithm"):
+        Trainer(gradient_clip_algorithm="max")
+
+
+@pytest.mark.parametrize("argument, closest", [
+    ({"gpus": 2}, "devices=N with accelerator='cuda'"),
+    ({"max_time": "00:01:00"}, "max_steps or max_epochs"),
+    ({"overfit_batches": 1}, "limit_train_batches"),
+    ({"max_epoch": 3}, "did you mean max_epochs"),
+])
+def test_a_lightning_argument_not_supported_names_the_closest_thing(argument, closest):
+    with pytest.raises(TypeError, match=closest.replace("(", r"\(").replace(")", r"\)")):
+        Trainer(**argument)
+
+
+# ------------------------------------------------------------------ logging, hyperparameters, checkpoints
+
+
+class Logs(BoringModel):
+    def __init__(self, hidden_dim: int = 32, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(self.hparams.hidden_dim, 2)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.log_dict({"train/sum": torch.tensor(float(batch_idx + 1)), "train/max": float(batch_idx)},
+                      on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log("train/biggest", float(batch_idx), on_step=False, on_epoch=True, reduce_fx=torch.max)
+        self.log("train/hidden", 1.0, logger=False)
+        if self.global_rank == 0:
+            self.log("train/rank0", 7.0, rank_zero_only=True)
+        return loss
+
+
+def test_log_reduce_fx_logger_and_rank_zero_only(tmp_path):
+    trainer = Trainer(devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0, default_root_dir=tmp_path,
+                      log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False,
+                      enable_model_summary=False)
+    trainer.fit(Logs())
+    metrics = trainer.callback_metrics
+    assert float(metrics["train/sum"]) == 6.0 and float(metrics["train/max"]) == 3.0  # 0+1+2 with reduce_fx sum
+    assert float(metrics["train/biggest"]) == 2.0 and float(metrics["train/hidden"]) == 1.0
+    events = EventAccumulator(trainer.log_dir)
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/sum" in tags and "train/rank0" in tags and "train/hidden" not in tags
+    with pytest.raises(ValueError, match="reduce_fx='median'"):
+        trainer.metrics.log("x", 1.0, False, True, False, False, reduce_fx="median")
+    with pytest.raises(ValueError, match="contradict"):
+        trainer.metrics.log("x", 1.0, False, True, False, True, rank_zero_only=True)
+
+
+def body_load_from_checkpoint(root: str, name: str) -> None:
+    trainer = Trainer(strategy=make_strategy(name), devices=dist.get_world_size(), max_steps=3,
+                      limit_val_batches=0, default_root_dir=root, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False)
+    model = Logs(hidden_dim=32, lr=0.5)
+    trainer.fit(model)
+    trainer.save_checkpoint(os.path.join(root, name))
+    state = trainer.strategy.full_state_dict()
+    if trainer.is_global_zero:
+        torch.save(state, os.path.join(root, f"{name}.pt"))
+
+
+def test_load_from_checkpoint_rebuilds_the_module_from_any_strategys_checkpoint(rank_pool, tmp_path):
+    for name in ("ddp", "fsdp"):
+        rank_pool(2).run(body_load_from_checkpoint, str(tmp_path), name)
+        model = Logs.load_from_checkpoint(tmp_path / name)
+        assert model.hparams == {"hidden_dim": 32, "lr": 0.5}
+        trained = torch.load(tmp_path / f"{name}.pt")
+        assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+        assert Logs.load_from_checkpoint(tmp_path / name, lr=0.1).hparams.lr == 0.1
+    events = EventAccumulator(str(tmp_path / "default" / "version_0"))
+    events.Reload()
+    assert "hidden_dim" in events.Tensors("hparams/text_summary")[0].tensor_proto.string_val[0].decode()
+
+
+# ------------------------------------------------------------------ DataModules, setup and teardown
+
+
+class FilesDataModule(DataModule):
+    """Writes its data once per machine in prepare_data, reads it on every rank in setup (Lightning's pattern)."""
+
+    def __init__(self, root: str, batch_size: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.calls: list[str] = []
+
+    def prepare_data(self) -> None:
+        with open(os.path.join(self.hparams.root, "prepared.txt"), "a") as f:
+            f.write(f"rank {dist.get_rank()}\n")
+        path = os.path.join(self.hparams.root, "data.pt")
+        if not os.path.exists(path):  # as a download would
+            torch.save(torch.randn(32, 32, generator=torch.Generator().manual_seed(0)), path)
+
+    def setup(self, stage: str) -> None:
+        self.calls.append(f"setup:{stage}")
+        self.data = torch.load(os.path.join(self.hparams.root, "data.pt"))
+
+    def teardown(self, stage: str) -> None:
+        self.calls.append(f"teardown:{stage}")
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.data), batch_size=self.hparams.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(self.data[:8]), batch_size=self.hparams.batch_size)
+
+    def predict_dataloader(self):
+        return DataLoader(TensorDataset(self.data[:6]), batch_size=2)
+
+    def state_dict(self) -> dict:
+        return {"seen_stages": list(self.calls)}
+
+
+class BuiltInSetup(BoringModel):
+    """Layers built in setup() train (as in Lightning); teardown is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def setup(self, stage: str) -> None:
+        self.calls.append(f"setup:{stage}")
+        if not hasattr(self, "head"):
+            self.head = torch.nn.Linear(2, 2)
+
+    def teardown(self, stage: str) -> None:
+        self.calls.append(f"teardown:{stage}")
+
+    def forward(self, x):
+        return self.head(self.layer(x))
+
+    def training_step(self, batch, batch_idx):
+        return self.step(batch[0])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self.step(batch[0]))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+
+def body_datamodule(root: str) -> dict:
+    datamodule = FilesDataModule(root)
+    model = BuiltInSetup()
+    head_before = model_head = None
+    trainer = Trainer(strategy="fsdp", devices=dist.get_world_size(), max_epochs=1, default_root_dir=root,
+                      enable_progress_bar=False, enable_model_summary=False, logger=False)
+    torch.manual_seed(0)
+    trainer.fit(model, datamodule=datamodule)
+    model_head = trainer.strategy.full_state_dict()["head.weight"]
+    head_before = torch.nn.Linear(2, 2).weight  # not comparable: only checks training moved it below
+    validated = trainer.validate(model, datamodule)  # Lightning's positional form
+    predicted = trainer.predict(model, datamodule=datamodule)
+    trainer.save_checkpoint(os.path.join(root, "with-dm"))
+    return {"dm_calls": datamodule.calls, "model_calls": model.calls, "validated": validated,
+            "predicted": predicted, "head_moved": not torch.equal(model_head, head_before),
+            "grad_head": model_head.shape}
+
+
+def test_a_datamodule_prepares_once_per_machine_and_sets_up_every_rank(rank_pool, tmp_path):
+    from trainer.checkpoint import load_trainer_state
+
+    ranks = rank_pool(2).run(body_datamodule, str(tmp_path))
+    # once per machine (local rank 0) at each of fit, validate and predict, before any rank read the data
+    assert (tmp_path / "prepared.txt").read_text() == "rank 0\n" * 3
+    for rank in ranks:
+        assert rank["dm_calls"] == ["setup:fit", "teardown:fit", "setup:validate", "teardown:validate",
+                                    "setup:predict", "teardown:predict"]
+        assert rank["model_calls"] == rank["dm_calls"]
+        assert "val/loss" in rank["validated"][0] and rank["head_moved"]
+    assert len(torch.cat(ranks[0]["predicted"])) == 6 and ranks[1]["predicted"] is None
+    saved = load_trainer_state(tmp_path / "with-dm")
+    assert saved["datamodule"]["seen_stages"][:2] == ["setup:fit", "teardown:fit"]
+
+
+def test_a_custom_batch_sampler_is_a_clear_error_on_several_ranks():
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from trainer.data import distributed_loader
+
+    class Buckets:  # a batch sampler without .sampler, as many are
+        def __iter__(self):
+            return iter([[0, 1], [2, 3]])
+
+        def __len__(self):
+            return 2
+
+    data = TensorDataset(torch.zeros(4, 1))
+    for batch_sampler in (Buckets(), BatchSampler(SequentialSampler(data), 2, False)):
+        loader = DataLoader(data, batch_sampler=batch_sampler)
+        with pytest.raises(ValueError, match="give it a DistributedSampler yourself"):
+            distributed_loader(loader, 2, 0, 0, "train_dataloaders")
+        assert distributed_loader(loader, 1, 0, 0, "train_dataloaders") is loader

@@ -42,7 +42,7 @@ class ShardSampler(Sampler[int]):
 
 
 def _is_distributed(loader: DataLoader) -> bool:
-    sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+    sampler = getattr(loader.batch_sampler, "sampler", None) if loader.batch_sampler is not None else loader.sampler
     distributed = (DistributedSampler, ShardSampler)
     return isinstance(loader.sampler, distributed) or isinstance(sampler, distributed)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,6 +62,18 @@ class TrainModule(nn.Module):
             self.hparams.update(collect_hparams(frame, self, args, ignore, hparams))
         finally:
             del frame
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, strict: bool = True, **overrides: Any) -> Any:
+        """The module rebuilt from the hyperparameters a checkpoint recorded (`save_hyperparameters`; `overrides`
+        replace some) with its weights loaded, in this process: from any strategy's checkpoint or full file."""
+        from .checkpoint import load_full_state_dict, load_trainer_state
+
+        saved = load_trainer_state(checkpoint_path)
+        module = cls(**{**saved.get("hparams", {}), **overrides})
+        module.configure_model()
+        module.load_state_dict(load_full_state_dict(checkpoint_path), strict=strict)
+        return module
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on rank 0 only."""

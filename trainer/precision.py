@@ -1,4 +1,4 @@
-"""Precision settings: autocast for the mixed modes, a loss scaler for fp16, bf16 weights for "bf16-true"."""
+"""Precision settings: autocast for the mixed modes, a loss scaler for fp16, bf16 or fp16 weights for "-true"."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # weights and batches in this dtype
 _ALIASES = {"32-true": "32", 32: "32", "16": "16-mixed", 16: "16-mixed", "bf16": "bf16-mixed"}
 
 
@@ -34,12 +35,14 @@ class Precision:
         return nullcontext()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return module.to(torch.bfloat16) if self.precision == "bf16-true" else module
+        dtype = TRUE_DTYPES.get(self.precision)
+        return module.to(dtype) if dtype is not None else module
 
     def convert_input(self, batch: Any) -> Any:
-        """"bf16-true": the batch's floating-point tensors in bfloat16, as the weights (integer ones, such as
+        """"bf16-true", "16-true": the batch's floating-point tensors in the weights' dtype (integer ones, such as
         token ids and labels, stay as they are), like Lightning's precision plugins do."""
-        return tree_map(_to_bfloat16, batch) if self.precision == "bf16-true" else batch
+        dtype = TRUE_DTYPES.get(self.precision)
+        return tree_map(lambda value: _to(value, dtype), batch) if dtype is not None else batch
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler else loss
@@ -56,8 +59,8 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def _to_bfloat16(value: Any) -> Any:
-    return value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+def _to(value: Any, dtype: torch.dtype) -> Any:
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
 class LossScaler:
