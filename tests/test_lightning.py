@@ -461,3 +461,234 @@ def test_a_custom_batch_sampler_is_a_clear_error_on_several_ranks():
         with pytest.raises(ValueError, match="give it a DistributedSampler yourself"):
             distributed_loader(loader, 2, 0, 0, "train_dataloaders")
         assert distributed_loader(loader, 1, 0, 0, "train_dataloaders") is loader
+
+
+# ------------------------------------------------------------------ hooks, and what .grad holds in them
+
+
+class RecordsHooks(Callback):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.grads: dict[str, list] = {}
+
+    def _grads(self, module, where: str) -> None:
+        seen = []
+        for name, p in module.named_parameters():
+            if p.grad is None:
+                seen.append((name, "none"))
+                continue
+            try:
+                seen.append((name, float(p.grad.float().norm())))
+            except ShardedParameterError as error:
+                seen.append((name, "sharded" if f"'{name}'" in str(error) and "full_gradients" in str(error)
+                             else str(error)))
+        self.grads.setdefault(where, seen)
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.calls.append("on_train_batch_start")
+
+    def on_before_backward(self, trainer, module, loss):
+        self.calls.append("on_before_backward")
+
+    def on_after_backward(self, trainer, module):
+        self.calls.append("on_after_backward")
+        self._grads(module, "after_backward")
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.calls.append("on_before_optimizer_step")
+        self._grads(module, "before_optimizer_step")
+        self.full = trainer.strategy.full_gradients()
+
+    def on_before_zero_grad(self, trainer, module, optimizer):
+        self.calls.append("on_before_zero_grad")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.calls.append("on_train_batch_end")
+
+
+def body_hooks_and_grads(name: str) -> dict:
+    torch.manual_seed(0)
+    recorder = RecordsHooks()
+    trainer = Trainer(strategy=make_strategy(name), devices=dist.get_world_size(), max_steps=1, limit_val_batches=0,
+                      callbacks=[recorder], **QUIET)
+    trainer.fit(BoringModel())
+    return {"calls": recorder.calls, "grads": recorder.grads, "full": recorder.full}
+
+
+def test_hooks_run_where_lightning_runs_them_and_grad_is_never_none_there(rank_pool):
+    """ddp and zero1: `.grad` is the full averaged gradient in on_before_optimizer_step (after backward of the
+    last micro-batch: in on_after_backward too); zero2 and fsdp: a placeholder whose reads say the rank holds a
+    shard and point at strategy.full_gradients(), which gives the full averaged gradient on every rank."""
+    reference = {}
+    for name in STRATEGIES:
+        ranks = rank_pool(2).run(body_hooks_and_grads, name)
+        for rank in ranks:
+            assert rank["calls"] == ["on_train_batch_start", "on_before_backward", "on_after_backward",
+                                     "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end"]
+            for where in ("after_backward", "before_optimizer_step"):
+                kinds = [value for _, value in rank["grads"][where]]
+                assert "none" not in kinds, (name, where, kinds)
+                if name in ("zero2", "fsdp"):
+                    assert kinds == ["sharded"] * 2, (name, where, kinds)
+        full = ranks[0]["full"]
+        assert set(full) == {"layer.weight", "layer.bias"} and all(torch.equal(full[k], ranks[1]["full"][k])
+                                                                   for k in full)
+        reference.setdefault("full", full)
+        assert max_relative_difference(full, reference["full"]) <= 1e-6, name
+        if name in ("ddp", "zero1"):  # .grad itself is the full averaged gradient
+            norms = dict(ranks[0]["grads"]["before_optimizer_step"])
+            assert norms["layer.weight"] == pytest.approx(float(full["layer.weight"].norm()), rel=1e-6)
+
+
+# ------------------------------------------------------------------ manual optimization: a GAN
+
+
+class GAN(TrainModule):
+    """Lightning's manual-optimization GAN pattern (docs: "Manual Optimization"), imports changed."""
+
+    def __init__(self, clip: float | None = None) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6))
+        self.discriminator = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.clip = clip
+
+    def training_step(self, batch, batch_idx):
+        real, noise = batch
+        g_opt, d_opt = self.optimizers()
+        # generator
+        self.toggle_optimizer(g_opt)
+        fake = self.generator(noise)
+        g_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake), torch.ones(len(fake), 1))
+        self.manual_backward(g_loss)
+        if self.clip:
+            self.clip_gradients(g_opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        g_opt.step()
+        g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+        # discriminator
+        self.toggle_optimizer(d_opt)
+        real_loss = F.binary_cross_entropy_with_logits(self.discriminator(real), torch.ones(len(real), 1))
+        fake_loss = F.binary_cross_entropy_with_logits(self.discriminator(fake.detach()), torch.zeros(len(fake), 1))
+        d_loss = (real_loss + fake_loss) / 2
+        self.manual_backward(d_loss)
+        if self.clip:
+            self.clip_gradients(d_opt, gradient_clip_val=self.clip / 10, gradient_clip_algorithm="value")
+        d_opt.step()
+        d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, prog_bar=True)
+
+    def configure_optimizers(self):
+        g = torch.optim.Adam(self.generator.parameters(), lr=0.01)
+        d = torch.optim.SGD(self.discriminator.parameters(), lr=0.05, momentum=0.9)
+        return [g, d], []
+
+
+def gan_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(24, 6, generator=g), torch.randn(24, 4, generator=g))
+
+
+def fit_gan(name, devices: int, batch_size: int, clip: float | None) -> tuple[dict, int]:
+    torch.manual_seed(0)
+    trainer = Trainer(strategy=make_strategy(name), devices=devices, max_epochs=1, **QUIET)
+    trainer.fit(GAN(clip), DataLoader(gan_data(), batch_size=batch_size))
+    return trainer.strategy.full_state_dict(), trainer.global_step
+
+
+def body_gan_every_strategy(clip: float | None) -> dict:
+    return {name: fit_gan(name, dist.get_world_size(), 2, clip) for name in STRATEGIES}
+
+
+def test_a_manually_optimized_gan_matches_one_process_under_every_strategy(rank_pool):
+    """Two optimizers over disjoint parameters, toggled; clipping by norm (generator) and by value
+    (discriminator) over each optimizer's own parameters; global_step counts every optimizer step."""
+    want, steps = fit_gan("single", 1, 4, clip=0.5)
+    assert steps == 2 * 6
+    initial = GAN().state_dict()
+    results = rank_pool(2).run(body_gan_every_strategy, 0.5)[0]
+    for name, (got, got_steps) in results.items():
+        assert got_steps == steps, name
+        assert max_relative_difference(got, want) <= 1e-5, name
+    assert max_relative_difference(want, {k: v for k, v in initial.items()}) > 1e-3
+
+
+def test_several_optimizers_need_manual_optimization():
+    class TwoOptimizers(GAN):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = True
+
+    with pytest.raises(ValueError, match="need manual optimization"):
+        Trainer(devices=1, max_steps=1, **QUIET).fit(TwoOptimizers(), DataLoader(gan_data(), batch_size=4))
+
+
+# ------------------------------------------------------------------ small conveniences
+
+
+class Gathers(BoringModel):
+    def training_step(self, batch, batch_idx):
+        gathered = self.all_gather({"rank": torch.tensor([float(self.global_rank)])})
+        self.gathered = gathered["rank"].flatten().tolist()
+        differentiable = self.all_gather(batch.sum(dim=1).mean(), sync_grads=True)
+        self.print(f"rank {self.global_rank} on {self.device}, local rank {self.local_rank}")
+        return self.step(batch) + 0.0 * differentiable.sum()
+
+
+def body_gathers() -> list:
+    model = Gathers()
+    Trainer(devices=dist.get_world_size(), max_steps=1, limit_val_batches=0, **QUIET).fit(model)
+    return model.gathered
+
+
+def test_all_gather_print_device_and_ranks(rank_pool, capfd):
+    assert rank_pool(2).run(body_gathers) == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def body_clip_by_value(name: str) -> dict:
+    torch.manual_seed(0)
+    trainer = Trainer(strategy=make_strategy(name), devices=dist.get_world_size(), max_steps=3, limit_val_batches=0,
+                      gradient_clip_val=0.01, gradient_clip_algorithm="value", **QUIET)
+    trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 64), batch_size=2))
+    return trainer.strategy.full_state_dict()
+
+
+def test_gradient_clip_algorithm_value_matches_torch_clip_grad_value(rank_pool):
+    torch.manual_seed(0)
+    model = BoringModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = RandomDataset(32, 64).data
+    for step in range(3):
+        model.step(data[step * 4 : step * 4 + 4]).backward()
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        optimizer.step()
+        optimizer.zero_grad()
+    want = model.state_dict()
+    for name in ("ddp", "fsdp"):
+        got = rank_pool(2).run(body_clip_by_value, name)[0]
+        assert max_relative_difference(got, want) <= 1e-5, name
+
+
+def body_summary_and_sampler() -> tuple[str, int, int]:
+    import io
+    from contextlib import redirect_stdout
+
+    from callbacks import ModelSummary
+
+    trainer = Trainer(strategy="fsdp", devices=dist.get_world_size(), max_steps=1, limit_val_batches=0,
+                      use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 64), batch_size=4))
+    summary = next(cb for cb in trainer.callbacks if isinstance(cb, ModelSummary))
+    return out.getvalue(), len(summary.table(trainer, trainer.module).splitlines()), trainer.num_training_batches
+
+
+def test_model_summary_shows_bytes_per_rank_and_the_sampler_can_be_left_alone(rank_pool):
+    (rank0, lines0, batches0), (rank1, _, batches1) = rank_pool(2).run(body_summary_and_sampler)
+    assert "layer  Linear  66" in rank0 and "Per rank (of 2)" in rank0 and "66 trainable params" in rank0
+    assert rank1 == ""  # printed on rank 0 only
+    assert lines0 == 5
+    assert batches0 == batches1 == 16  # use_distributed_sampler=False: each rank iterates the loader as given

@@ -105,9 +105,10 @@ class ForwardHooks:
         self.depth += 1
         if self.depth == 1:
             self._start_pass()
+        if unit is not None:
+            unit.unshard()  # (the root too: an optimizer step inside a pass, as in a GAN's, reshards it)
         if unit is None or unit is self.root:
             return self._cast_inputs(unit, args, kwargs)
-        unit.unshard()
         args, kwargs = self._cast_inputs(unit, args, kwargs)
         self.order.append(unit)
         self._prefetch(self.last_order[len(self.order) : len(self.order) + 1])
