@@ -368,3 +368,90 @@ def body_bf16_true(name: str) -> dict:
 def test_bf16_true_casts_the_batch_to_bfloat16(rank_pool, name):
     for r in rank_pool(2).run(body_bf16_true, name):
         assert r["step"] == 3 and math.isfinite(r["val"]) and r["dtypes"] == {torch.bfloat16}
+
+
+# ------------------------------------------------------------------------------- 8. disk full, 10. meta.json
+
+
+class Wide(Probe):
+    """Probe with a wider layer, so that a checkpoint takes a few hundred KiB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def body_disk_full(root: str, small: str) -> dict:
+    trainer = Trainer(strategy=strategy("fsdp"), devices=2, max_steps=2,
+                      default_root_dir=root, **QUIET)
+    trainer.fit(Wide(), loader(16))
+    path = os.path.join(small, "last")
+    trainer.save_checkpoint(path)
+    good = trainer.strategy.full_state_dict()
+    if trainer.is_global_zero:  # leave less free space than a checkpoint takes
+        stat = os.statvfs(small)
+        with open(os.path.join(small, "filler"), "wb") as f:
+            f.write(b"\0" * (stat.f_bavail * stat.f_frsize - 64 * 1024))
+    trainer.strategy.barrier()
+    with torch.no_grad():
+        trainer.strategy.engine.units[0].master.add_(1.0)  # so that a second, complete save would differ
+    try:
+        trainer.save_checkpoint(path)
+        error = None
+    except OSError as raised:
+        error = (type(raised).__mro__[1].__name__, raised.errno, str(raised))
+    trainer.strategy.barrier()
+    if trainer.is_global_zero:
+        os.remove(os.path.join(small, "filler"))
+    return {"error": error, "listing": sorted(os.listdir(small)), "good": good}
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 2 MiB tmpfs (needs the right to mount, as root in a container usually has; else the test is skipped)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here to fill a disk for real: {done.stderr.decode().strip()}")
+    yield str(mount)
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_fails_the_save_alike_on_every_rank_and_keeps_the_previous_checkpoint(
+    rank_pool, tmp_path, small_filesystem
+):
+    from trainer.checkpoint import load_full_state_dict
+
+    ranks = rank_pool(2).run(body_disk_full, str(tmp_path), small_filesystem)
+    errors = {r["error"] for r in ranks}
+    assert len(errors) == 1, errors  # every rank raises the same error
+    base, errno, message = errors.pop()
+    assert base == "OSError" and errno == 28, message
+    assert "No space left on device" in message and os.path.join(small_filesystem, "last") in message
+    assert ranks[0]["listing"] == ["last"]  # the staging folder is gone
+    kept = load_full_state_dict(os.path.join(small_filesystem, "last"))
+    assert all(torch.equal(kept[k], v) for k, v in ranks[0]["good"].items())  # the previous one, intact
+
+
+def test_an_edited_meta_json_is_refused_by_name(tmp_path):
+    import json
+
+    from trainer.checkpoint import CheckpointError, load_full_state_dict
+
+    trainer = Trainer(devices=1, max_steps=1, default_root_dir=tmp_path, **QUIET)
+    trainer.fit(Probe(), loader(8))
+    path = tmp_path / "ckpt"
+    trainer.save_checkpoint(path)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["world_size"] = 4
+    (path / "meta.json").write_text(json.dumps(meta, indent=1))
+    with pytest.raises(CheckpointError, match=r"meta\.json.*changed after it was written"):
+        load_full_state_dict(path)
+    with pytest.raises(CheckpointError, match=r"meta\.json"):
+        Trainer(devices=1, max_steps=2, **QUIET).fit(Probe(), loader(8), ckpt_path=str(path))

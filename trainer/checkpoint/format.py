@@ -88,15 +88,23 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"{path!r} is a checkpoint of format version {meta.get('format_version')}; this version reads "
             f"{FORMAT_VERSION} (torch's DCP) only"
         )
+    if meta.pop("checksum", None) != _meta_checksum(meta):
+        raise CheckpointError(f"checkpoint file {meta_path!r} was changed after it was written: its checksum does "
+                              "not match its contents (world size, step or file table edited or damaged)")
     return meta
 
 
 def write_meta(directory: str, meta: dict[str, Any]) -> None:
-    """Write meta.json, the file that makes a checkpoint directory complete, and flush it to disk."""
+    """Write meta.json, the file that makes a checkpoint directory complete, with a checksum of its own contents
+    (the files' checksums live in it, so it is covered too), and flush it to disk."""
     with open(os.path.join(directory, META_FILE), "w") as f:
-        json.dump(meta, f, indent=1)
+        json.dump({**meta, "checksum": _meta_checksum(meta)}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _meta_checksum(meta: dict[str, Any]) -> int:
+    return zlib.crc32(json.dumps(meta, sort_keys=True).encode())
 
 
 def file_integrity(directory: str, name: str, items: list[tuple[int, int]]) -> dict[str, Any]:

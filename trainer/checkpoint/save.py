@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,11 +97,12 @@ class Saver:
         finish = _Finish(staging, path, [os.path.abspath(p) for p in links], on_done, summary, group)
         options = dict(storage_writer=FileSystemWriter(staging), planner=ShardSavePlanner(), process_group=group,
                        no_dist=group is None)
-        with format.unwrapped(finish.rank):
-            if not async_save:
-                finish(dcp.save(checkpoint_state(trainer), **options))
-                return
-            upload = dcp.async_save(checkpoint_state(trainer), async_stager=Snapshot(), **options)
+        with finish.failing_alike():
+            with format.unwrapped(finish.rank):
+                if not async_save:
+                    finish(dcp.save(checkpoint_state(trainer), **options))
+                    return
+                upload = dcp.async_save(checkpoint_state(trainer), async_stager=Snapshot(), **options)
         self._executor = self._executor or ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending = self._executor.submit(_finish_upload, upload, finish)
 
@@ -139,9 +141,10 @@ class Saver:
 
 
 def _finish_upload(upload: Future, finish: _Finish) -> None:
-    with format.unwrapped(finish.rank):
-        metadata = upload.result()
-    finish(metadata)
+    with finish.failing_alike():
+        with format.unwrapped(finish.rank):
+            metadata = upload.result()
+        finish(metadata)
 
 
 class _Finish:
@@ -170,6 +173,21 @@ class _Finish:
             raise error
         if message is not None:
             raise RuntimeError(message)
+
+    @contextmanager
+    def failing_alike(self) -> Iterator[None]:
+        """A save that fails on any rank (the disk is full, say) fails on every rank with the same error, naming
+        the checkpoint and the first failing rank's error (an OSError with its errno when that was one), and the
+        staging folder is removed: the previous checkpoint at `path` is untouched."""
+        try:
+            yield
+        except Exception as error:
+            own = None if isinstance(error, _Agreed) else (isinstance(error, OSError), getattr(error, "errno", None),
+                                                          str(error))
+            failures = _all_gather((self.rank, own), self.group)
+            if self.rank == 0:
+                files.remove(self.staging)
+            raise _agreed(self.path, [f for f in failures if f[1] is not None]) from error
 
     def _complete(self, reports: list[Any]) -> BaseException | None:
         try:
@@ -202,6 +220,36 @@ def _checkpoint_group() -> Any:
     if _GROUP[0] is not dist.group.WORLD:
         _GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
     return _GROUP[1]
+
+
+class CheckpointOSError(OSError):
+    """A save that failed with an OS error on some rank (a full disk, say), raised alike on every rank."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save that failed otherwise on some rank, raised alike on every rank."""
+
+
+_Agreed = (CheckpointOSError, CheckpointWriteError)
+
+
+def _agreed(path: str, failures: list[tuple[int, tuple[bool, int | None, str]]]) -> Exception:
+    """The same error on every rank: an OSError (with its errno) when the first failing rank's error was one."""
+    if not failures:
+        return CheckpointWriteError(f"checkpoint {path!r} was not written: another rank failed")
+    rank, (os_error, errno, text) = failures[0]
+    message = f"checkpoint {path!r} was not written (rank {rank}): {text}"
+    if not os_error:
+        return CheckpointWriteError(message)
+    return CheckpointOSError(errno, message) if errno is not None else CheckpointOSError(message)
+
+
+def _all_gather(obj: Any, group: Any) -> list[Any]:
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def _gather(obj: Any, group: Any) -> list[Any] | None:
