@@ -19,7 +19,7 @@ from torch.distributed.nn.functional import all_gather as differentiable_all_gat
 from torch.utils._pytree import tree_map
 
 from .compile import compile_in_place, modules_to_compile, resolve_compile
-from .sharding import ShardingEngine, ShardingSpec
+from .sharding import ShardingEngine, ShardingSpec, gradient_access
 from .sharding import state_dict as engine_state
 
 REDUCE_OPS = {
@@ -157,22 +157,22 @@ class Strategy:
         """Clip the gradients of `params` (all by default): "norm" by their global L2 norm over every rank
         (returns that norm, before clipping), "value" each element to [-max_norm, max_norm]."""
         if algorithm == "value":
-            self.engine.clip_grad_value_(max_norm, params)
+            gradient_access.clip_grad_value_(self.engine, max_norm, params)
             return None
-        return self.engine.clip_grad_norm_(max_norm, params)
+        return gradient_access.clip_grad_norm_(self.engine, max_norm, params)
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
-        return self.engine.gradient_tensors()
+        return gradient_access.gradient_tensors(self.engine)
 
     def visible_gradients(self) -> AbstractContextManager:
         """Around the user's backward hooks: `.grad` of a parameter with a gradient is never None (zero2, fsdp: a
         placeholder saying that this rank holds a shard; see full_gradients)."""
-        return self.engine.visible_gradients()
+        return gradient_access.visible_gradients(self.engine)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient in full, by name. Collective (call it on every rank)."""
-        return self.engine.full_gradients()
+        return gradient_access.full_gradients(self.engine)
 
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The module's parameters that `optimizer` (given to setup_optimizer) steps."""

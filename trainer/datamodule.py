@@ -8,28 +8,16 @@ so downloads and tokenisation are not raced; `setup(stage)` runs on every rank (
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any
 
-from .hparams import AttributeDict
-from .hparams import collect as collect_hparams
+from .hparams import AttributeDict, HyperparametersMixin
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-class DataModule:
-    def __init__(self) -> None:
-        self.trainer: Trainer | None = None
-        self.hparams = AttributeDict()
-
-    def save_hyperparameters(self, *args: Any, ignore: Any = None, **hparams: Any) -> None:
-        """As TrainModule.save_hyperparameters: with no arguments, every `__init__` argument."""
-        frame = inspect.currentframe().f_back
-        try:
-            self.hparams.update(collect_hparams(frame, self, args, ignore, hparams))
-        finally:
-            del frame
+class DataHooks:
+    """Where data comes from, for a DataModule and a TrainModule alike (as Lightning's DataHooks)."""
 
     def prepare_data(self) -> None:
         """Download or write the data; once per machine."""
@@ -51,6 +39,12 @@ class DataModule:
 
     def predict_dataloader(self) -> Any:
         return None
+
+
+class DataModule(HyperparametersMixin, DataHooks):
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.hparams = AttributeDict()
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -9,6 +9,20 @@ from types import FrameType
 from typing import Any
 
 
+class HyperparametersMixin:
+    """`save_hyperparameters` and `hparams`, shared by TrainModule and DataModule (as in Lightning)."""
+
+    def save_hyperparameters(self, *args: Any, ignore: Any = None, **hparams: Any) -> None:
+        """Record hyperparameters (logged to TensorBoard, saved in checkpoints, used by `load_from_checkpoint`).
+        With no arguments, every argument `__init__` was called with (as Lightning); or the named ones
+        (`save_hyperparameters("lr", "hidden")`), one dict or Namespace, or keywords. `ignore`: names to leave out."""
+        frame = inspect.currentframe().f_back
+        try:
+            self.hparams.update(collect(frame, self, args, ignore, hparams))
+        finally:
+            del frame
+
+
 class AttributeDict(dict):
     """A dict whose keys are also attributes: `hparams.lr == hparams["lr"]`."""
 

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .hparams import AttributeDict
-from .hparams import collect as collect_hparams
+from .datamodule import DataHooks
+from .hparams import AttributeDict, HyperparametersMixin
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-class TrainModule(nn.Module):
+class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     """Subclass it, define `training_step` and `configure_optimizers`, and hand it to `Trainer.fit`."""
 
     def __init__(self) -> None:
@@ -52,16 +51,6 @@ class TrainModule(nn.Module):
     @property
     def local_rank(self) -> int:
         return self.trainer.local_rank if self._trainer else 0
-
-    def save_hyperparameters(self, *args: Any, ignore: Any = None, **hparams: Any) -> None:
-        """Record hyperparameters (logged to TensorBoard, saved in checkpoints, used by `load_from_checkpoint`).
-        With no arguments, every argument `__init__` was called with (as Lightning); or the named ones
-        (`save_hyperparameters("lr", "hidden")`), one dict or Namespace, or keywords. `ignore`: names to leave out."""
-        frame = inspect.currentframe().f_back
-        try:
-            self.hparams.update(collect_hparams(frame, self, args, ignore, hparams))
-        finally:
-            del frame
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, strict: bool = True, **overrides: Any) -> Any:
@@ -165,23 +154,7 @@ class TrainModule(nn.Module):
     def configure_model(self) -> None:
         """Build large layers here: it runs under the strategy's init context."""
 
-    def train_dataloader(self) -> Any:
-        return None
-
-    def val_dataloader(self) -> Any:
-        return None
-
-    def test_dataloader(self) -> Any:
-        return None
-
-    def predict_dataloader(self) -> Any:
-        return None
-
     # ---- hooks, where Lightning calls them ---------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        """Before configure_model, on every rank ("fit", "validate", "test", "predict"); layers built here train."""
-
-    def teardown(self, stage: str) -> None: ...
     def on_fit_start(self) -> None: ...
     def on_fit_end(self) -> None: ...
     def on_train_start(self) -> None: ...

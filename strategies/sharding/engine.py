@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats, all_gather, wait
+from .collectives import CommStats, wait
 from .forward import ForwardHooks
 from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
@@ -286,69 +286,6 @@ class ShardingEngine:
             indices = [i for i, p in enumerate(unit.params) if wanted is None or id(p) in wanted]
             if indices:
                 unit.grads.zero(indices, set_to_none)
-
-    def gradient_tensors(self, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """The gradient tensors this rank's optimizer reads (of `params`, or all), in the master's dtype."""
-        wanted = None if params is None else {id(p) for p in params}
-        out = []
-        for unit in self.units:
-            indices = None if wanted is None else [i for i, p in enumerate(unit.params) if id(p) in wanted]
-            if indices != []:
-                out += unit.grads.tensors(indices)
-        return out
-
-    def clip_grad_norm_(self, max_norm: float, params: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Scale gradients (of `params`, or all) so that their global L2 norm over every rank is <= max_norm. The
-        norm is computed in the gradients' own dtype (the widest, if they differ), as torch's clip_grad_norm_."""
-        grads = self.gradient_tensors(params)
-        squares = [torch.linalg.vector_norm(g).square() for g in grads]
-        dtype = functools.reduce(torch.promote_types, (s.dtype for s in squares), torch.float32)
-        total = torch.zeros((), dtype=dtype, device=self.device)
-        for square in squares:
-            total += square.to(self.device, dtype)
-        if self.spec.shard_optimizer_state and self.world_size > 1:
-            dist.all_reduce(total, group=self.group)
-        total = total.sqrt()
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coefficient.to(grad.device, grad.dtype))
-        return total
-
-    def clip_grad_value_(self, value: float, params: list[torch.Tensor] | None = None) -> None:
-        """Clamp every gradient element (of `params`, or all) to [-value, value]; element-wise, so each rank
-        clamps what it holds."""
-        for grad in self.gradient_tensors(params):
-            grad.clamp_(-value, value)
-
-    @contextmanager
-    def visible_gradients(self) -> Iterator[None]:
-        """While the user's backward hooks run: sharded gradients show as placeholders on `.grad`, not None."""
-        for unit in self.units:
-            unit.grads.show()
-        try:
-            yield
-        finally:
-            for unit in self.units:
-                unit.grads.hide()
-
-    def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's averaged gradient in full, by name (those without one left out). Collective; holds
-        them all at once: for inspection, not for every step."""
-        out = {}
-        for unit in (u for u in self.units if any(u.trainable)):
-            if self.spec.shard_gradients:
-                shard = unit.grads.tensors()
-                if not shard:  # no gradient since zero_grad (on every rank alike)
-                    continue
-                full = torch.empty(unit.layout.padded_total, dtype=shard[0].dtype, device=self.device)
-                all_gather(full, shard[0].to(self.device), self.group, self.stats, async_op=False)
-                used = unit.grads.used.tolist()
-            else:
-                full, used = unit.grads.flat, [p.grad is not None for p in unit.params]
-            for name, view, has, trainable in zip(unit.param_names, unit.layout.views(full), used, unit.trainable):
-                if has and trainable:
-                    out[name] = view.detach().clone()
-        return out
 
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The module's parameters `optimizer` steps (its own holds this rank's pieces of them)."""

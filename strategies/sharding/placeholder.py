@@ -55,25 +55,33 @@ class ShardedParameterError(RuntimeError):
     pass
 
 
-class ShardedParameter(nn.Parameter):
-    """The class a parameter has while its unit is sharded (see the module docstring)."""
-
-    _sharded_name: str
-    _sharded_unit: str
-    _sharded_world_size: int
+class _Refuses:
+    """A tensor class whose metadata can be read but whose every computation raises `refusal`."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        sharded = next(a for a in _flat(args, kwargs) if isinstance(a, ShardedParameter))
-        raise ShardedParameterError(
-            f"parameter {sharded._sharded_name!r} is sharded across {sharded._sharded_world_size} rank(s): its unit "
-            f"{sharded._sharded_unit!r} gathers it only while the unit runs forward or backward, so it cannot be "
-            f"read here ({getattr(func, '__name__', func)}). Call the model, or read it inside "
-            "`with strategy.unsharded(module):` (every rank), or take `strategy.full_state_dict()`."
-        )
+        refusing = next(a for a in _flat(args, kwargs) if isinstance(a, _Refuses))
+        raise ShardedParameterError(refusing.refusal(getattr(func, "__name__", str(func))))
+
+    def refusal(self, operation: str) -> str:
+        raise NotImplementedError
+
+
+class ShardedParameter(_Refuses, nn.Parameter):
+    """The class a parameter has while its unit is sharded (see the module docstring)."""
+
+    _sharded_name: str
+    _sharded_unit: str
+    _sharded_world_size: int
+
+    def refusal(self, operation: str) -> str:
+        return (f"parameter {self._sharded_name!r} is sharded across {self._sharded_world_size} rank(s): its unit "
+                f"{self._sharded_unit!r} gathers it only while the unit runs forward or backward, so it cannot be "
+                f"read here ({operation}). Call the model, or read it inside `with strategy.unsharded(module):` "
+                "(every rank), or take `strategy.full_state_dict()`.")
 
     def __repr__(self) -> str:
         return f"ShardedParameter({self._sharded_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
@@ -112,25 +120,18 @@ def readable(params: Iterable[nn.Parameter]) -> Iterator[None]:
             p.__class__ = ShardedParameter
 
 
-class ShardedGradient(torch.Tensor):
+class ShardedGradient(_Refuses, torch.Tensor):
     """What `.grad` of a parameter holds in the user's backward hooks when gradients are sharded (zero2, fsdp):
     a placeholder of its shape, since this rank holds only its shard; reads say how to get the gradient."""
 
     _sharded_name: str
     _sharded_world_size: int
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        grad = next(a for a in _flat(args, kwargs) if isinstance(a, ShardedGradient))
-        raise ShardedParameterError(
-            f"the gradient of {grad._sharded_name!r} is reduce-scattered: each of the {grad._sharded_world_size} "
-            f"rank(s) holds only its shard, so it cannot be read here ({getattr(func, '__name__', func)}). Read it in "
-            "full with trainer.strategy.full_gradients() (every rank), or use ddp / zero1, whose .grad is the full "
-            "averaged gradient."
-        )
+    def refusal(self, operation: str) -> str:
+        return (f"the gradient of {self._sharded_name!r} is reduce-scattered: each of the {self._sharded_world_size} "
+                f"rank(s) holds only its shard, so it cannot be read here ({operation}). Read it in full with "
+                "trainer.strategy.full_gradients() (every rank), or use ddp / zero1, whose .grad is the full "
+                "averaged gradient.")
 
 
 def sharded_gradient(param: nn.Parameter, name: str, world_size: int) -> torch.Tensor:

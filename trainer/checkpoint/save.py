@@ -6,8 +6,10 @@ stall), at most one save is in flight, and the next save, the end of a stage and
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from ..trainer import Trainer
 
 log = logging.getLogger(__name__)
+DISK_FULL_BYTES = 1 << 20  # less free space than this after a failed write: the disk is full
 
 
 def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
@@ -182,8 +185,7 @@ class _Finish:
         try:
             yield
         except Exception as error:
-            own = None if isinstance(error, _Agreed) else (isinstance(error, OSError), getattr(error, "errno", None),
-                                                          str(error))
+            own = None if isinstance(error, _Agreed) else _describe_failure(error, self.staging)
             failures = _all_gather((self.rank, own), self.group)
             if self.rank == 0:
                 files.remove(self.staging)
@@ -233,15 +235,27 @@ class CheckpointWriteError(RuntimeError):
 _Agreed = (CheckpointOSError, CheckpointWriteError)
 
 
+def _describe_failure(error: Exception, staging: str) -> tuple[bool, int | None, str]:
+    """(an OS error?, its errno, its text). torch.save's zip writer reports a write that the disk refused as a
+    RuntimeError ("unexpected pos ..."), losing the OSError: on a full disk it is reported as one."""
+    if isinstance(error, OSError):
+        return True, error.errno, str(error)
+    full = shutil.disk_usage(os.path.dirname(staging)).free < DISK_FULL_BYTES
+    if full and "unexpected pos" in str(error):
+        return True, errno.ENOSPC, f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} (torch.save: {error})"
+    return False, None, str(error)
+
+
 def _agreed(path: str, failures: list[tuple[int, tuple[bool, int | None, str]]]) -> Exception:
-    """The same error on every rank: an OSError (with its errno) when the first failing rank's error was one."""
+    """The same error on every rank: the first OS error of any rank (the cause others only see the effects of),
+    else the first failing rank's error."""
     if not failures:
         return CheckpointWriteError(f"checkpoint {path!r} was not written: another rank failed")
-    rank, (os_error, errno, text) = failures[0]
+    rank, (os_error, code, text) = min(failures, key=lambda f: (not f[1][0], f[0]))
     message = f"checkpoint {path!r} was not written (rank {rank}): {text}"
     if not os_error:
         return CheckpointWriteError(message)
-    return CheckpointOSError(errno, message) if errno is not None else CheckpointOSError(message)
+    return CheckpointOSError(code, message) if code is not None else CheckpointOSError(message)
 
 
 def _all_gather(obj: Any, group: Any) -> list[Any]:
