@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from callbacks import (
     Callback,
@@ -18,14 +17,11 @@ from callbacks import (
     LearningRateMonitor,
     Logger,
     ModelCheckpoint,
-    ModelSummary,
-    ProgressBar,
-    TensorBoardLogger,
     ThroughputMonitor,
 )
-from strategies import Strategy, get_strategy
+from strategies import Strategy
 
-from . import config, evaluation, launcher, planning
+from . import config, construction, evaluation, planning
 from .checkpoint import Saver, find_last
 from .data import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
@@ -119,7 +115,7 @@ class Trainer:
                             "compile= (e.g. FSDPStrategy(compile={Block}))")
         self.compile = compile
         self.max_memory_per_rank = planning.check_memory_budget(strategy, max_memory_per_rank)
-        self.strategy = self._resolve_strategy(strategy, devices * num_nodes)
+        self.strategy = construction.resolve_strategy(strategy, devices * num_nodes)
         self._auto_strategy = strategy == "auto"  # the plan may decide again once fit knows the module
         self.num_nodes = num_nodes
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
@@ -130,10 +126,11 @@ class Trainer:
         self.log_every_n_steps, self.check_val_every_n_epoch = log_every_n_steps, check_val_every_n_epoch
         self.default_root_dir = os.fspath(default_root_dir)
         self.sync_batchnorm, self.deterministic = sync_batchnorm, deterministic
-        self.callbacks = self._build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
-                                               enable_model_summary)
-        self.logger = self._build_logger(logger)
-        self._start_ranks(devices, num_nodes, config.check_timeout(timeout))
+        self.callbacks = construction.build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
+                                                      enable_model_summary)
+        self.logger = construction.build_logger(logger, self.default_root_dir)
+        self.local_rank = construction.start_ranks(self, devices, self._device_ids, num_nodes,
+                                                   config.check_timeout(timeout))
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
@@ -151,78 +148,6 @@ class Trainer:
         self.num_val_batches = 0
         self.sanity_checking = False
         self._fit_called = False
-
-    # ---- construction helpers -----------------------------------------------------------------------
-    @staticmethod
-    def _resolve_strategy(strategy: str | Strategy, world_size: int) -> Strategy:
-        if isinstance(strategy, Strategy):
-            return strategy
-        if not isinstance(strategy, str):
-            raise TypeError(f"strategy must be a name or a Strategy, got {type(strategy).__name__}")
-        if strategy == "auto":
-            return get_strategy("ddp" if world_size > 1 or launcher.detect_environment() else "single")
-        return get_strategy(strategy)
-
-    def _build_callbacks(self, callbacks: Any, progress_bar: bool, checkpointing: bool,
-                         model_summary: bool) -> list[Callback]:
-        callbacks = list(callbacks or [])
-        for cb in callbacks:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"callbacks: {cb!r} is not a callbacks.Callback")
-        if progress_bar and not any(isinstance(cb, ProgressBar) for cb in callbacks):
-            callbacks.append(ProgressBar())
-        if model_summary and not any(isinstance(cb, ModelSummary) for cb in callbacks):
-            callbacks.append(ModelSummary())
-        if checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
-            callbacks.append(ModelCheckpoint())
-        if not checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in callbacks):
-            raise ValueError(
-                "enable_checkpointing=False but a ModelCheckpoint is in callbacks; remove one of them"
-            )
-        return callbacks
-
-    def _build_logger(self, logger: bool | Logger) -> Logger | None:
-        if logger is True:
-            return TensorBoardLogger(save_dir=self.default_root_dir)
-        if logger is False or logger is None:
-            return None
-        if not isinstance(logger, Logger):
-            raise TypeError(f"logger must be True, False or a callbacks.Logger, got {type(logger).__name__}")
-        return logger
-
-    def _start_ranks(self, devices: int, num_nodes: int, timeout: Any) -> None:
-        env = launcher.detect_environment()
-        if env is None and dist.is_initialized():
-            env = launcher.ClusterEnvironment(
-                dist.get_rank(), dist.get_rank(), dist.get_world_size(), dist.get_world_size(), 0, "", 0
-            )
-        if env is None and devices * num_nodes > 1:
-            if num_nodes > 1:
-                raise ValueError(f"num_nodes={num_nodes}: start each node with torchrun (see README)")
-            env = launcher.launch_local_ranks(devices)
-        if env is not None and env.world_size != devices * num_nodes and devices != 1:
-            raise ValueError(
-                f"devices={devices} x num_nodes={num_nodes} does not match the {env.world_size} ranks "
-                "of the launched environment"
-            )
-        self._owns_process_group = False
-        if env is not None and env.world_size > 1:
-            backend = "nccl" if self.accelerator == "cuda" else "gloo"
-            self._owns_process_group = launcher.init_process_group(env, backend, timeout)
-        rank, world_size = (env.rank, env.world_size) if env else (0, 1)
-        self.local_rank = env.local_rank if env else 0
-        ids = self._device_ids
-        device = (
-            torch.device("cuda", ids[self.local_rank] if ids else self.local_rank)
-            if self.accelerator == "cuda"
-            else torch.device("cpu")
-        )
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        self.strategy.connect(device, world_size, rank)
-        if self.logger is not None:
-            self.logger.rank = rank
-            self.logger.version = self.strategy.broadcast(self.logger.version)
 
     # ---- public state -------------------------------------------------------------------------------
     global_rank = property(lambda self: self.strategy.global_rank)
