@@ -107,10 +107,10 @@ def full_average(trainer: Trainer, ema: EMA) -> dict[str, torch.Tensor] | None:
 
 def reference_average(weights: list[dict], names: list[str], decay: float, steps: list[int]) -> dict:
     """The moving average, in one process, of the weights after the given optimizer steps (0-based)."""
-    average = {n: weights[steps[0]][n].clone() for n in names}
+    average = {n: weights[steps[0]][n].float().clone() for n in names}
     for step in steps[1:]:
         for n in names:
-            average[n].lerp_(weights[step][n], 1 - decay)
+            average[n].lerp_(weights[step][n].float(), 1 - decay)
     return average
 
 
@@ -161,6 +161,19 @@ def test_update_every_n_steps_starting_at_a_step():
     assert ema.updates == 2  # after steps 4 and 6; the first one copies the weights
     want = reference_average(recorder.weights, TRAINABLE, 0.5, [4, 6])
     assert max_relative_difference(full_average(trainer, ema), want) <= 1e-6
+
+
+def test_bf16_weights_are_averaged_in_float32_and_come_back_exactly_after_validation():
+    ema, recorder = EMA(decay=0.5), Recorder()
+    trainer, _ = fit("single", 1, 4, steps=2, callbacks=[ema, recorder], validate=True, precision="bf16-true")
+    plain, _ = fit("single", 1, 4, steps=2, validate=True, precision="bf16-true")
+    average = full_average(trainer, ema)
+    assert len(recorder.validations) == 1  # swapped in and back once
+    assert {t.dtype for t in average.values()} == {torch.float32}
+    assert max_relative_difference(average, reference_average(recorder.weights, TRAINABLE, 0.5, [0, 1])) <= 1e-6
+    trained = trainer.strategy.full_state_dict()
+    assert trained["emb.weight"].dtype == torch.bfloat16
+    assert all(torch.equal(trained[k], v) for k, v in plain.strategy.full_state_dict().items())
 
 
 # -- never gathered -------------------------------------------------------------------------------------------
