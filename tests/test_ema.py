@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
-from callbacks import EMA, Callback
+from callbacks import EMA, Callback, ModelCheckpoint
 from strategies import FSDPStrategy
 from tests.test_checkpoint import keeps_determinism_setting, stored_chunks
 from tests.test_parity import (
@@ -289,6 +289,24 @@ def test_the_average_is_saved_sharded_and_resumes_under_other_strategies_and_wor
         torch.manual_seed(1)  # other initial weights: all of them must come from the checkpoint
         metrics = trainer.validate(ValLM(), val_loader(), ckpt_path=path)[0]
         assert metrics["val/loss"] == pytest.approx(val_loss(weights), rel=1e-5)
+
+
+def test_a_save_by_an_earlier_callback_in_the_same_hook_holds_that_steps_update(tmp_path):
+    """ModelCheckpoint before EMA in `callbacks` saves in on_train_batch_end before EMA's own hook runs: the save
+    brings the average up to date first, so a resume from it misses no update."""
+    ema = EMA(decay=DECAY)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2)
+    trainer, _ = fit("single", 1, 4, steps=2, callbacks=[saver, ema], enable_checkpointing=True,
+                     default_root_dir=str(tmp_path))
+    average = full_average(trainer, ema)
+    state = ckpt_io.load_full_state_dict(saver.best_model_path, ema=True)
+    assert ema.updates == 2 and all(torch.equal(state[n], average[n]) for n in TRAINABLE)
+    assert ckpt_io.load_trainer_state(saver.best_model_path)["callbacks"]["EMA"]["updates"] == 2
+    with ema.applied(trainer):  # the average in the model for a while, the trained weights after
+        applied = trainer.strategy.full_state_dict()
+    assert all(torch.equal(applied[n], average[n]) for n in TRAINABLE)
+    assert torch.equal(applied["head.weight"], average["emb.weight"])
+    assert not torch.equal(trainer.strategy.full_state_dict()["emb.weight"], average["emb.weight"])
 
 
 def test_export_with_ema_writes_the_average_and_loads_in_one_process(rank_pool, tmp_path):
