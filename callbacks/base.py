@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    import torch
     from torch.optim import Optimizer
 
     from trainer import Trainer, TrainModule
@@ -17,6 +18,8 @@ class Callback:
 
     A callback that keeps state across a resume returns it from `state_dict` (plain Python values) and takes
     it back in `load_state_dict`. The Trainer stores it under `checkpoint["callbacks"][callback.state_key]`.
+    State as large as the weights (an average of them, say) goes through `sharded_state` and
+    `sharded_state_targets` instead: each rank writes and reads only its own pieces of it.
     """
 
     @property
@@ -147,3 +150,18 @@ class Callback:
 
     def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
         pass
+
+    def sharded_state(self, trainer: Trainer) -> dict[str, dict[str, Any]]:
+        """What this rank writes of state sharded like the weights: {key: {name: FlatPieces, or a tensor written
+        whole}}, stored as "<key>.<name>" beside "model.<name>" (keys other than model, optim*, trainer, rng and
+        meta). Called on every rank at every save; nothing is gathered."""
+        return {}
+
+    def sharded_state_targets(
+        self, trainer: Trainer, saved: dict[str, dict[str, torch.Tensor]]
+    ) -> dict[str, dict[str, Any]]:
+        """Where this rank reads its sharded state back from a checkpoint being loaded (FlatPieces are read
+        resharded: any strategy, any world size), keyed as `sharded_state` keys it. `saved` is what the checkpoint
+        holds besides the model and optimizers, {key: {name: meta tensor of the saved shape and dtype}}. Called on
+        every rank, before `load_state_dict` and `setup`; the targets are filled once every callback answered."""
+        return {}

@@ -203,6 +203,26 @@ class Strategy:
         """The targets are filled: bring every copy of the parameters up to date. Collective."""
         self.engine.after_parameters_changed()
 
+    def master_pieces(self) -> list[engine_state.MasterPiece]:
+        """This rank's pieces of the weights, nothing gathered: (name, shape, start, data, trainable), `data` a 1-D
+        view of elements [start, start + numel) of the flattened parameter `name` of `shape`, in the master's
+        precision. Under zero1, zero2, fsdp and hsdp they are the slices its optimizer steps; under ddp the
+        slices of the replicated parameters it owns (and writes in checkpoints). Writing them writes the weights:
+        write alike on every rank, then call `master_pieces_changed`."""
+        return engine_state.master_pieces(self.engine)
+
+    def master_pieces_changed(self) -> None:
+        """The master pieces were written in place: bring every copy of the parameters up to date (fsdp: gathered
+        units are dropped and gathered anew when used; zero1, zero2 and ddp: the pieces are all-gathered).
+        Collective."""
+        self.engine.after_master_pieces_changed()
+
+    @property
+    def writes_own_pieces(self) -> bool:
+        """Whether this rank writes its pieces in checkpoints: under hybrid sharding only the first copy's ranks do
+        (the others hold the same pieces)."""
+        return self.engine.groups.replica == 0
+
     def parameter_aliases(self) -> dict[str, str]:
         return engine_state.parameter_aliases(self.engine.module)
 

@@ -298,10 +298,22 @@ class ShardingEngine:
             for unit in units:
                 unit.reshard()
         elif self.spec.shard_optimizer_state:
-            works = [unit.gather_replicas_after_step() for unit in units]  # all in flight at once
-            for unit, work in zip(units, works):
-                with unit.naming_failures("all-gather of the updated parameters"):
-                    wait(work)
+            self._gather_replicas(units)
+
+    def after_master_pieces_changed(self) -> None:
+        """Every rank wrote its own pieces (state_dict.master_pieces) in place: bring every copy up to date. Under
+        ddp a rank's pieces are its slices of the replicated parameters, so they are all-gathered too."""
+        if self.spec.shard_optimizer_state:
+            self.after_parameters_changed()
+        else:
+            self._gather_replicas(self.units)
+
+    def _gather_replicas(self, units: list[ShardUnit]) -> None:
+        """Replicated parameters: every rank's slice of each unit all-gathered from its master (or its own slice)."""
+        works = [unit.gather_replicas_after_step() for unit in units]  # all in flight at once
+        for unit, work in zip(units, works):
+            with unit.naming_failures("all-gather of the updated parameters"):
+                wait(work)
 
     # ---- parameters in full -------------------------------------------------------------------------
     @contextmanager

@@ -13,7 +13,7 @@ tensors. Tied parameters appear once, under their first name.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -54,6 +54,32 @@ def _owned_flat(unit: ShardUnit) -> torch.Tensor:
     return unit.full_flat[lo:hi]
 
 
+class MasterPiece(NamedTuple):
+    """Elements [start, start + data.numel()) of the flattened parameter `name` of `shape` that this rank owns:
+    `data` is a 1-D view of them in the master (writing it writes the weights the optimizer steps)."""
+
+    name: str
+    shape: torch.Size
+    start: int
+    data: torch.Tensor
+    trainable: bool
+
+
+def master_pieces(engine: ShardingEngine) -> list[MasterPiece]:
+    """This rank's pieces of every parameter, in the master's precision: with sharded optimizer state (zero1,
+    zero2, fsdp) the slices of the master its optimizer steps; under ddp the slices of the replicated parameters
+    it would own, the ones it writes in checkpoints. Under hybrid sharding every copy holds its group's pieces."""
+    out = []
+    for unit in engine.units:
+        flat = _owned_flat(unit)
+        for piece in unit.pieces_by_rank[unit.rank]:
+            index = piece.param_index
+            data = flat[piece.shard_offset : piece.shard_offset + piece.numel]
+            out.append(MasterPiece(unit.param_names[index], unit.layout.shapes[index], piece.start, data,
+                                   unit.trainable[index]))
+    return out
+
+
 def _is_elementwise(key: str, value: Any, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and key != "step" and value.shape == param.shape
 
@@ -65,17 +91,13 @@ def model_pieces(engine: ShardingEngine) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if engine.groups.replica != 0:  # hybrid sharding: another copy of the first group's pieces
         return out
-    for unit in engine.units:
-        flat = _owned_flat(unit)
-        for piece in unit.pieces_by_rank[unit.rank]:
-            data = flat[piece.shard_offset : piece.shard_offset + piece.numel].detach()
-            shape = unit.layout.shapes[piece.param_index]
-            out[unit.param_names[piece.param_index]] = FlatPieces(shape, unit.dtype, [(piece.start, data)])
-        if engine.rank == 0:
+    for piece in master_pieces(engine):
+        out[piece.name] = FlatPieces(piece.shape, piece.data.dtype, [(piece.start, piece.data.detach())])
+    if engine.rank == 0:
+        for unit in engine.units:
             for name, shape, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.numels):
                 if numel == 0:
                     out[name] = torch.empty(shape, dtype=unit.dtype)
-    if engine.rank == 0:
         out.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in _other_entries(engine).items()})
     return out
 

@@ -33,11 +33,13 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("--prefix", default="", help="strip this from every name (e.g. 'model.'); others are left out")
     export.add_argument("--max-shard-size", type=_size, default="5GB",
                         help="above this, shards and model.safetensors.index.json (default 5GB)")
+    export.add_argument("--ema", action="store_true",
+                        help="the moving average of callbacks.EMA instead of the trained weights")
     args = parser.parse_args(argv)
     if args.command == "consolidate":
         consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer)
         print(f"wrote {args.out}")
         return
-    left_out = export_safetensors(args.checkpoint, args.out_dir, args.prefix, args.max_shard_size)
+    left_out = export_safetensors(args.checkpoint, args.out_dir, args.prefix, args.max_shard_size, ema=args.ema)
     note = f" (left out, not under {args.prefix!r}: {', '.join(left_out)})" if left_out else ""
     print(f"wrote {args.out_dir}{note}")

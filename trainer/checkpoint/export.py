@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from strategies import FlatPieces
 
 from .format import META, MODEL, unwrapped
-from .load import assemble, read_meta_item
+from .load import assemble, read_meta_item, weight_keys
 from .planners import ShardLoadPlanner
 from .source import Source, open_source
 from .streamed_file import StreamedFullFile
@@ -81,17 +81,18 @@ def _batches(source: Source, keys: list[str]) -> Iterator[dict[str, torch.Tensor
 
 # ---- safetensors out -----------------------------------------------------------------------------------------
 def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "",
-                       max_shard_size: int = 5 * 10**9) -> list[str]:
+                       max_shard_size: int = 5 * 10**9, ema: bool = False) -> list[str]:
     """Write a checkpoint's weights in HuggingFace's layout: `model.safetensors`, or above `max_shard_size` bytes
     `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`. Names lose `prefix` (entries without
-    it are left out); tied names are written once, under the first. Returns the names left out."""
+    it are left out); tied names are written once, under the first. With `ema`, callbacks.EMA's average in place
+    of each parameter it averages. Returns the names left out."""
     source = open_source(path)
     meta = read_meta_item(source)
+    reads = {source.paths[k][1]: read for k, read in weight_keys(source, meta, path, ema).items()
+             if k in source.tensors}
     order = {name: i for i, name in enumerate(meta.get("state_dict_keys", []))}
-    names = sorted((p[1] for k, p in source.paths.items() if p[0] == MODEL and k in source.tensors),
-                   key=lambda n: order.get(n, len(order)))
-    names = [n for n in names if n not in meta.get("aliases", {})]
-    kept = [(n.removeprefix(prefix), f"{MODEL}.{n}") for n in names if n.startswith(prefix)]
+    names = sorted(reads, key=lambda n: order.get(n, len(order)))
+    kept = [(n.removeprefix(prefix), reads[n]) for n in names if n.startswith(prefix)]
     shards = _shards([(name, source.tensors[key]) for name, key in kept], max_shard_size)
     os.makedirs(out_dir, exist_ok=True)
     files = ["model.safetensors"] if len(shards) == 1 else [

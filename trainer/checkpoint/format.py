@@ -12,6 +12,8 @@ Inside, the keys are those DCP gives {"model": ..., "optim": ..., "trainer": ...
     trainer                        epoch, step, position, schedulers, callbacks, loss scale, on_save_checkpoint
     rng.<rank>                     each rank's RNG states
     meta                           world size, strategy, global step, tied aliases, state-dict keys, optimizer classes
+    ema.<name>                     with callbacks.EMA: the moving average of each trainable parameter, sharded like
+                                   "model" (callbacks may add such sharded state under keys of their own)
 A full file (one torch.save file) is that nested dict, with the tied names in "model" too.
 
 DCP checks nothing it reads, so every item is checked against its CRC32 as it is read (`VerifiedReader`), and
@@ -40,6 +42,7 @@ FORMAT_VERSION = 2
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
 MODEL, TRAINER, RNG, META = "model", "trainer", "rng", "meta"
+EMA = "ema"  # callbacks.EMA's key
 BLOCK = 1 << 22
 
 # Loads always run in one process (no_dist: a rank plans its own reads), and saves do without a process group;

@@ -11,9 +11,9 @@ import torch
 
 from strategies import FlatPieces
 
-from .format import META, MODEL, RNG, TRAINER, optim_key
+from .format import EMA, META, MODEL, RNG, TRAINER, optim_key
 from .source import Source, open_source
-from .trainer_state import restore_trainer_state
+from .trainer_state import callbacks_sharded_targets, restore_trainer_state
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -40,6 +40,8 @@ def restore(trainer: Trainer, path: str, weights_only: bool) -> None:
         for name, entries in trainer.strategy.optimizer_state_targets(optimizer, saved["state"]).items():
             for key, target in entries.items():
                 (shards if isinstance(target, FlatPieces) else plain)[saved["keys"][name, key]] = target
+    for key, target in callbacks_sharded_targets(trainer, source).items():
+        (shards if isinstance(target, FlatPieces) else plain)[key] = target
     source.read(plain, shards)
     trainer.strategy.state_loaded()
     for optimizer, saved in zip(trainer.optimizers, optimizers):
@@ -126,11 +128,33 @@ def _optimizer_problems(trainer: Trainer, meta: dict, saved: list[dict], reporte
 
 
 # ---- in one process ----------------------------------------------------------------------------------------
-def load_full_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+def load_full_state_dict(path: str | os.PathLike, ema: bool = False) -> dict[str, torch.Tensor]:
     """The plain model state dict (original names and shapes, tied names sharing their tensor) from any
     checkpoint this project writes (a directory, a full file or a consolidated file), in one process with no
-    process group."""
-    return load_checkpoint(path, weights_only=True)[MODEL]
+    process group. With `ema`, the moving average of callbacks.EMA in place of each parameter it averages (the
+    frozen ones and the buffers keep their trained values)."""
+    if not ema:
+        return load_checkpoint(path, weights_only=True)[MODEL]
+    source = open_source(path)
+    meta = read_meta_item(source)
+    keys = weight_keys(source, meta, path, ema=True)
+    values = source.read({k: _empty(source.tensors[k]) if k in source.tensors else None for k in set(keys.values())})
+    entries = {key: values[read] for key, read in keys.items()}
+    return assemble(source, {**entries, META: meta} if META in source.paths else entries)[MODEL]
+
+
+def weight_keys(source: Source, meta: dict[str, Any], path: Any, ema: bool = False) -> dict[str, str]:
+    """The key of each model entry ("model.<name>", tied aliases left out) and the key it is read from: itself,
+    or with `ema` the average ("ema.<name>") where the checkpoint has one."""
+    tied = {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}
+    keys = {k: k for k, p in source.paths.items() if p[0] == MODEL and k not in tied}
+    if not ema:
+        return keys
+    averaged = {p[1]: k for k, p in source.paths.items() if p[0] == EMA and len(p) == 2}
+    if not averaged:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} holds no EMA weights: it was written without "
+                         "callbacks.EMA, or before the average's first update; leave out ema=True (--ema)")
+    return {k: averaged.get(source.paths[k][1], k) for k in keys}
 
 
 def load_checkpoint(path: str | os.PathLike, weights_only: bool = False) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from ..seed import rng_state
 from . import files, format
 from .format import META, MODEL, RNG, TRAINER, optim_key
 from .planners import Pickled, ShardSavePlanner
-from .trainer_state import meta, trainer_state
+from .trainer_state import callbacks_sharded_state, meta, trainer_state
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -47,6 +47,7 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
         if not trainer.is_global_zero:
             del state[optim_key(i)]["param_groups"]  # the same on every rank: written once
     state[RNG] = {str(trainer.global_rank): Pickled(rng_state())}
+    state.update(callbacks_sharded_state(trainer))  # before the callbacks' state_dict, which may follow it
     if trainer.is_global_zero:
         state[TRAINER], state[META] = Pickled(trainer_state(trainer)), Pickled(meta(trainer))
     return state

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ..seed import set_rng_state
-from .format import FORMAT_VERSION
+from .format import FORMAT_VERSION, META, MODEL, RNG, TRAINER
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -46,6 +46,41 @@ def meta(trainer: Trainer) -> dict[str, Any]:
         "state_dict_keys": list(trainer.module.state_dict(keep_vars=True)),
         "optimizers": [{"class": type(optimizer).__name__} for optimizer in trainer.optimizers],
     }
+
+
+def is_callback_key(top: str) -> bool:
+    """Whether a top-level checkpoint key may hold a callback's sharded state (Callback.sharded_state)."""
+    return top not in (MODEL, TRAINER, RNG, META) and not top.startswith("optim")
+
+
+def callbacks_sharded_state(trainer: Trainer) -> dict[str, dict[str, Any]]:
+    """This rank's pieces of the callbacks' sharded state, by top-level key."""
+    out: dict[str, dict[str, Any]] = {}
+    for cb in trainer.callbacks:
+        for key, entries in cb.sharded_state(trainer).items():
+            if not is_callback_key(key) or key in out:
+                raise ValueError(f"{type(cb).__name__}.sharded_state: key {key!r} is taken (by the checkpoint itself "
+                                 f"or another callback); taken: {sorted({MODEL, 'optim', TRAINER, RNG, META, *out})}")
+            out[key] = entries
+    return out
+
+
+def callbacks_sharded_targets(trainer: Trainer, source: Any) -> dict[str, Any]:
+    """Where the callbacks read their sharded state (Callback.sharded_state_targets), by checkpoint key."""
+    saved: dict[str, dict[str, Any]] = {}
+    keys = {}
+    for key, path in source.paths.items():
+        if key in source.tensors and len(path) == 2 and is_callback_key(path[0]):
+            saved.setdefault(path[0], {})[path[1]] = source.tensors[key]
+            keys[path] = key
+    out = {}
+    for cb in trainer.callbacks:
+        for top, entries in cb.sharded_state_targets(trainer, saved).items():
+            for name, target in entries.items():
+                if (top, name) not in keys:
+                    raise ValueError(f"{type(cb).__name__}.sharded_state_targets: the checkpoint holds no {top}.{name}")
+                out[keys[top, name]] = target
+    return out
 
 
 def restore_trainer_state(trainer: Trainer, saved: dict[str, Any], rng: dict[str, Any] | None) -> None:
