@@ -82,7 +82,7 @@ def fit(strategy: str, devices: int, batch_size: int, optimizer: str = "sgd", st
     torch.manual_seed(0)
     module = ValLM(optimizer=optimizer)
     options = dict(max_steps=steps, max_epochs=1, accumulate_grad_batches=ACCUMULATE, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, val_check_interval=4)
+                   num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, val_check_interval=4)
     trainer = Trainer(strategy=make_strategy(strategy), devices=devices, callbacks=callbacks or [],
                       **{**options, **kwargs})
     loader = DataLoader(token_dataset(), batch_size=batch_size, shuffle=False)
