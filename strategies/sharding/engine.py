@@ -70,7 +70,6 @@ class ShardingEngine:
         self._broadcast_buffers()
         self.units = self._build_units(wrap_policy)
         self._unit_of_param = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
-        self.param_by_name = {n: p for u in self.units for n, p in zip(u.param_names, u.params)}
         self._reduce_order = self.units  # built in the order backward is expected to finish them
         self._next_reduce = 0
         if meta_ids or has_meta_buffers(module):
@@ -351,15 +350,6 @@ class ShardingEngine:
         unit, index = self._unit_of_param[id(param)]
         unit.write_full_parameter(index, value)
 
-    def write_full_parameters(self, values: dict[str, torch.Tensor]) -> None:
-        """Overwrite every parameter with the given full tensors, keeping the sharded layout."""
-        for unit in self.units:
-            for index, name in enumerate(unit.param_names):
-                unit.write_full_parameter(index, values[name])
-            unit.reshard()  # a gathered copy would now be stale
-
-    def unit_of(self, param: nn.Parameter) -> tuple[ShardUnit, int]:
-        return self._unit_of_param[id(param)]
 
 
 def _check_options(spec: ShardingSpec, options: UnitOptions) -> None:
