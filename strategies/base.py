@@ -147,6 +147,11 @@ class Strategy:
         with self.engine.no_sync() if enabled else nullcontext():
             yield
 
+    def synchronize_gradients(self) -> None:
+        """Average the gradients that backward passes under no_backward_sync accumulated locally (when the pass
+        that would have synchronised them did not happen). Collective."""
+        self.engine.synchronize()
+
     def unsharded(self, module: nn.Module | None = None, write_back: bool = True) -> AbstractContextManager:
         """`with strategy.unsharded(module):` every parameter of `module` is there in full (master precision) to
         read and change in place; changes are kept on exit. Call it on every rank."""

@@ -118,8 +118,10 @@ class SkipsBatches(TiedLM):
         return super().training_step(batch, batch_idx)
 
 
-def fit_skipping(batches: set[int], ranks: set[int] | None, devices: int, batch_size: int) -> Trainer:
-    trainer = Trainer(strategy="ddp" if devices > 1 else "single", devices=devices, max_epochs=1, **QUIET)
+def fit_skipping(batches: set[int], ranks: set[int] | None, devices: int, batch_size: int,
+                 accumulate: int = 1) -> Trainer:
+    trainer = Trainer(strategy="ddp" if devices > 1 else "single", devices=devices, max_epochs=1,
+                      accumulate_grad_batches=accumulate, **QUIET)
     trainer.fit(new_model(SkipsBatches, batches=batches, ranks=ranks), loader(batch_size))
     return trainer
 
@@ -138,6 +140,19 @@ def test_a_batch_every_rank_skips_is_not_trained_on(rank_pool):
     assert max_relative_difference(ranks[0][1], reference.strategy.full_state_dict()) <= 1e-5
     trained_on_all = fit_skipping(set(), None, 1, 4).strategy.full_state_dict()
     assert max_relative_difference(ranks[0][1], trained_on_all) > 1e-3  # the skip did change the outcome
+
+
+def body_last_micro_batch_skipped() -> dict[str, torch.Tensor]:
+    return fit_skipping({1}, None, dist.get_world_size(), 2, accumulate=2).strategy.full_state_dict()
+
+
+def test_a_skipped_last_micro_batch_still_averages_the_window(rank_pool):
+    """Batch 1 closes the first accumulation window and is skipped: the gradients of batch 0, kept local by
+    no_sync, must still be averaged over the ranks before the step (the ranks would drift apart otherwise)."""
+    ranks = rank_pool(2).run(body_last_micro_batch_skipped)
+    assert max_relative_difference(ranks[0], ranks[1]) == 0
+    reference = fit_skipping({1}, None, 1, 4, accumulate=2).strategy.full_state_dict()
+    assert max_relative_difference(ranks[0], reference) <= 1e-5
 
 
 def body_one_rank_skips() -> str:

@@ -39,6 +39,7 @@ class StepRunner:
         self.train_loader, self.val_loader = train_loader, val_loader
         self.optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self._backward_in_window = False
+        self._unsynced = False  # the window's gradients await the reduction no_sync held back
         self._skip_window = False  # a non-finite loss in this accumulation window (on_nonfinite="skip")
         self._stop_requested = False  # the ranks agreed to stop on a signal; this optimizer step is done
         self.agreed = Agreement()  # the ranks' agreement after the latest training_step
@@ -212,6 +213,7 @@ class StepRunner:
                 with self.strategy.no_backward_sync(enabled=not window_end):
                     t.backward(loss / t.accumulate_grad_batches)
                 self._backward_in_window = True
+                self._unsynced = not window_end  # gradients held back by no_sync, not yet averaged
                 outputs = {"loss": loss.detach()}
             if window_end:
                 self._optimizer_step(batch_idx)
@@ -267,6 +269,9 @@ class StepRunner:
             return
         stepping = not self._skip_window
         self._backward_in_window = self._skip_window = False
+        if self._unsynced:  # the window's last batch was skipped: its earlier backwards were never averaged
+            self.strategy.synchronize_gradients()
+            self._unsynced = False
         any_rank = lambda flag: self.strategy.reduce_boolean_decision(flag, all=False)  # noqa: E731
         if stepping and t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
             with self.strategy.visible_gradients():

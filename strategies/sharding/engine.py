@@ -224,6 +224,12 @@ class ShardingEngine:
         if self.sync_gradients:  # running statistics (BatchNorm) follow rank 0's, as with DDP's broadcast_buffers
             self._broadcast_buffers()
 
+    def synchronize(self) -> None:
+        """Average what backward passes under no_sync accumulated locally, when the pass that would have done it
+        did not happen (a skipped last micro-batch). Sharded gradients were reduced by every pass already."""
+        if not self.spec.shard_gradients:
+            self.finish_backward()
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient communication (replicated gradients accumulate locally; sharded ones still reduce)."""
