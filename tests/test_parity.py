@@ -79,7 +79,7 @@ def make_optimizer(module: nn.Module, name: str) -> torch.optim.Optimizer:
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "lr": 0.05, "weight_decay": 0.0}]
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "lr": 0.005, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=0.01)
+    return torch.optim.AdamW(groups, lr=0.01, fused=name == "adamw-fused")
 
 
 def token_dataset(samples: int = 36, seed: int = 1) -> TensorDataset:
@@ -170,6 +170,14 @@ def test_every_strategy_matches_one_process_on_the_global_batch(rank_pool, world
             difference = max_relative_difference(got, want)
             assert difference <= TOLERANCE[optimizer], (name, optimizer, world_size, difference)
             assert torch.equal(got["head.weight"], got["emb.weight"]), "tied weights came apart"
+
+
+def test_fused_adamw_steps_each_ranks_pieces_as_one_process_steps_everything(rank_pool):
+    """AdamW(fused=True), the fast step on a CPU, runs on each rank's own pieces under every strategy."""
+    results = rank_pool(2).run(body_fit_every_strategy, ["adamw-fused"])[0]
+    want = reference_weights(2, "adamw")
+    for name in STRATEGIES:
+        assert max_relative_difference(results[(name, "adamw-fused")], want) <= TOLERANCE["adamw"], name
 
 
 def body_float64_with_clipping(clip: float) -> dict[str, dict[str, torch.Tensor]] | None:
