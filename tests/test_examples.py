@@ -149,7 +149,7 @@ def test_gpt_quickstart_command_runs_tiny_on_two_ranks(tmp_path: Path) -> None:
     """The README quickstart as the user types it (a script that starts its second rank), at a tiny size."""
     proc = run_example("gpt.py", "--devices", "2", "--max-steps", "4", "--val-check-interval", "2",
                        "--batch-size", "8", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
-                       "--n-embd", "32", "--data-bytes", "100000", "--val-windows", "16",
+                       "--n-embd", "32", "--data-bytes", "100000", "--val-windows", "17",  # 2 batches and 1
                        "--sample-tokens", "8", "--root-dir", str(tmp_path / "runs"))
     out = proc.stdout
     val_losses = [float(v) for v in re.findall(r"^step +\d+ +val/loss (\S+)$", out, re.MULTILINE)]

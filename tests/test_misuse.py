@@ -82,9 +82,14 @@ class Probe(TrainModule):
 
     def _evaluate(self, batch, stage: str) -> None:
         index, x, y = batch
-        self.seen += index.tolist()
         self.log(f"{stage}/loss", F.mse_loss(self(x), y), sync_dist=True)
         self.log(f"{stage}/batch", float(len(index)), sync_dist=True, batch_size=1)  # a plain mean over batches
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.seen += batch[0].tolist()  # not called for the filler steps of a rank that ran out
+
+    def on_test_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.seen += batch[0].tolist()
 
     def validation_step(self, batch, batch_idx):
         self._evaluate(batch, "val")
@@ -161,6 +166,33 @@ def test_evaluation_sees_every_sample_once_with_one_process_metrics(rank_pool, n
         predicted = torch.cat(ranks[0][("predict", n)])
         assert torch.equal(predicted[:, 0], torch.arange(n).float())  # once each, in dataset order
         torch.testing.assert_close(predicted[:, 1:], predictions, rtol=1e-5, atol=1e-6)
+
+
+class Heads(Probe):
+    """Splits its features into heads with view(b, heads, -1), as GPT and HuggingFace attention do: a batch of
+    0 samples cannot be viewed so, whatever the model."""
+
+    def forward(self, x):
+        h = self.net[1](self.net[0](x))
+        h = h.view(h.shape[0], 2, -1).flip(1).reshape(h.shape[0], -1)
+        return self.net[2](h)
+
+
+def body_uneven_evaluation_of_heads(name: str) -> tuple[float, list[int]]:
+    trainer = Trainer(strategy=strategy(name), devices=2, timeout=20, **QUIET)
+    module = Heads()
+    metrics = trainer.validate(module, loader(9))[0]  # rank 0 has 2 batches, rank 1 one
+    return metrics["val/loss"], module.seen
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_rank_that_ran_out_of_evaluation_data_does_not_feed_the_model_an_empty_batch(rank_pool, name):
+    ranks = rank_pool(2).run(body_uneven_evaluation_of_heads, name)
+    _, x, y = samples(9).tensors
+    with torch.no_grad():
+        want = F.mse_loss(Heads()(x), y).item()
+    assert sorted(ranks[0][1] + ranks[1][1]) == list(range(9))
+    assert ranks[0][0] == pytest.approx(want, rel=1e-5) and ranks[1][0] == pytest.approx(want, rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- 2. uneven training

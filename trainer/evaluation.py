@@ -44,7 +44,7 @@ def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None
             batch = to_step(t, batch, real)
             with t.precision.autocast(), strategy.forward_context():
                 output = step_fn(batch, batch_idx)
-            if real:  # an empty step of a rank that has run out is not reported
+            if real:  # a filler step of a rank that has run out is not reported
                 t._call(f"on_{name}_batch_end", output, batch, batch_idx)
     t.metrics.start_step(None)  # what the epoch-end hooks log counts
     metrics = t.metrics.end_epoch()

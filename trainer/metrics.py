@@ -73,7 +73,7 @@ class MetricCollector:
     callback_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     progress_bar_metrics: dict[str, float] = field(default_factory=dict)
     batch_size: int = 1  # of the running step; set by the loop from its batch
-    discarding: bool = False  # the running step is an empty one of a rank that has run out: its logs weigh nothing
+    discarding: bool = False  # the running step is a filler one of a rank that has run out: its logs weigh nothing
     _epoch: dict[str, _EpochValue] = field(default_factory=dict)
 
     def start_step(self, batch: Any, real: bool = True) -> None:

@@ -3,10 +3,11 @@
 Evaluation sees every sample once: each rank takes a contiguous share without padding (data.ShardSampler), so one
 rank may have a batch more than another, and an iterable dataset may give each rank any number. Yet every rank must
 run the same number of steps: under fsdp each forward pass all-gathers parameters from every rank, and a metric
-logged with sync_dist all-reduces. So a rank that has run out keeps stepping on an empty batch (a batch of its cut
-to 0 samples) until the last rank is done; those steps' logs weigh nothing and their outputs and hooks are dropped.
-An empty batch rather than a repeated sample, so that whatever a step accumulates itself (a list of outputs, a
-metric object) stays right; what a step does with 0 samples is plain torch (a mean over none is NaN, and unused).
+logged with sync_dist all-reduces. So a rank that has run out keeps stepping on a filler batch (one sample of its
+last batch) until the last rank is done; those steps' logs weigh nothing and their outputs and batch-end hooks are
+dropped. One real sample rather than none, because models cannot take a batch of 0 samples (GPT's and
+HuggingFace's attention reshape with -1, which is ambiguous for 0 elements); what a step accumulates itself (a list
+in the module, a metric object) does see the repeat, so results are best collected in on_*_batch_end.
 
 Training from an iterable dataset: a step needs every rank's gradient, so the epoch ends on every rank as soon as
 the first rank runs out (the loop learns it in the all-reduce it makes after each training_step), and rank 0 says
@@ -80,7 +81,7 @@ def report_unused(batches: Lookahead, strategy: Any, epoch: int, trained: int) -
 
 
 def evaluation_batches(loader: Any, limit: int, strategy: Any) -> Iterator[tuple[Any, bool]]:
-    """(batch, True) while this rank has data, then (empty batch, False) until every rank is done, for at most
+    """(batch, True) while this rank has data, then (filler batch, False) until every rank is done, for at most
     `limit` steps: the same number of steps on every rank. For a split map-style dataset every rank knows how many
     batches each has; for a loader without a length the ranks tell each other at every step (one all-reduce)."""
     counts = batches_per_rank(loader)
@@ -102,7 +103,7 @@ def evaluation_batches(loader: Any, limit: int, strategy: Any) -> Iterator[tuple
             template = batch
             yield batch, True
         else:
-            yield empty_batch(template if template is not None else _first_sample(loader)), False
+            yield one_sample(template if template is not None else _first_sample(loader)), False
 
 
 def _tell_each_other(strategy: Any, has_batch: bool, no_template: bool) -> tuple[int, bool]:
@@ -128,6 +129,6 @@ def _first_sample(loader: Any) -> Any:
     return loader.collate_fn([loader.dataset[0]])
 
 
-def empty_batch(batch: Any) -> Any:
-    """`batch` cut to 0 samples: every tensor with a batch dimension keeps its other dimensions."""
-    return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, batch)
+def one_sample(batch: Any) -> Any:
+    """`batch` cut to its first sample: every tensor with a batch dimension keeps its other dimensions."""
+    return tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, batch)
