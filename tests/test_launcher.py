@@ -6,6 +6,7 @@ each test waits for its own.
 
 import datetime
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -77,6 +78,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
     torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     commands = {
         "two_ranks": [python, SCRIPT, "--devices", "2"],
+        "trainer_exit": [python, os.path.join(ROOT, "tests", "scripts", "trainer_exit.py"), "--root", str(tmp / "te")],
         "rank1_raises": [python, "-m", "tests.scripts.allreduce", "--devices", "2", "--fail-rank", "1"],
         "rank0_raises": [python, SCRIPT, "--devices", "2", "--fail-rank", "0"],
         "node0": [*torchrun, "--node-rank", "0", SCRIPT],
@@ -113,7 +115,18 @@ def test_plain_command_starts_local_ranks(jobs):
     code, out, err = jobs["two_ranks"].result()
     assert code == 0, err
     assert "rank 0 of 2 on node 0: sum 3" in out and "rank 1 of 2 on node 0: sum 3" in out
+    # every rank destroys the group it created before the interpreter shuts down: a gloo group left to
+    # interpreter finalization can abort the process (SIGABRT, "terminate called without an active exception")
+    assert out.count("at exit: process group destroyed True") == 2, out
     _assert_no_survivors(jobs["two_ranks"], 2)
+
+
+def test_a_trainer_script_leaves_no_gloo_thread_running_into_interpreter_shutdown(jobs):
+    code, out, err = jobs["trainer_exit"].result()
+    assert code == 0, err
+    before = [int(n) for n in re.findall(r"gloo threads before exit (\d+)", out)]
+    assert len(before) == 2 and min(before) > 0, out  # the groups were running
+    assert out.count("at exit: gloo threads 0") == 2, out
 
 
 @pytest.mark.parametrize("failing", [1, 0])
@@ -133,6 +146,7 @@ def test_two_torchrun_nodes(jobs):
         code, out, err = jobs[f"node{node}"].result()
         assert code == 0, err
         assert f"rank {node} of 2 on node {node}: sum 3" in out
+        assert "at exit: process group destroyed True" in out, out
 
 
 def test_detect_environment(monkeypatch):

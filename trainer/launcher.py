@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import faulthandler
+import gc
 import os
 import signal
 import socket
@@ -157,13 +158,18 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout: datetime.
     store.set(f"joined{env.rank}", "1")
     store.wait([f"joined{r}" for r in range(env.world_size)], join_timeout)
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    # Destroyed at exit while the interpreter is whole: a gloo group left to finalization can abort the process
+    # (SIGABRT, "terminate called without an active exception") after a run that succeeded.
+    atexit.register(destroy_process_group_if_owned, True)
     return True
 
 
 def destroy_process_group_if_owned(owned: bool) -> None:
-    """Destroy the default process group if `init_process_group` created it."""
+    """Destroy the process groups if `init_process_group` created the default one. A group's gloo worker threads
+    stop only when the last reference to it goes (the project holds groups weakly), so collect right away."""
     if owned and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 class _Supervisor:

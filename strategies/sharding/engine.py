@@ -58,7 +58,6 @@ class ShardingEngine:
         meta_ids = replace_meta_parameters(module, self.device)
         self._meta_ids = meta_ids
         self.groups = make_groups(group, shard_group_size)
-        self.group = self.groups.shard  # the ranks that share one copy of the state
         self.rank, self.world_size = self.groups.rank, self.groups.size  # within it
         self._full_precision_units: set[str] = set()
         self.stats = CommStats()

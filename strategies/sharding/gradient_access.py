@@ -36,7 +36,7 @@ def clip_grad_norm_(engine: ShardingEngine, max_norm: float, params: list[torch.
     for square in squares:
         total += square.to(engine.device, dtype)
     if engine.spec.shard_optimizer_state and engine.world_size > 1:
-        dist.all_reduce(total, group=engine.group)
+        dist.all_reduce(total, group=engine.groups.shard)
     total = total.sqrt()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
@@ -73,7 +73,7 @@ def full_gradients(engine: ShardingEngine) -> dict[str, torch.Tensor]:
             if not shard:  # no gradient since zero_grad (on every rank alike)
                 continue
             full = torch.empty(unit.layout.padded_total, dtype=shard[0].dtype, device=engine.device)
-            all_gather(full, shard[0].to(engine.device), engine.group, engine.stats, async_op=False)
+            all_gather(full, shard[0].to(engine.device), engine.groups.shard, engine.stats, async_op=False)
             used = unit.grads.used.tolist()
         else:
             full, used = unit.grads.flat, [p.grad is not None for p in unit.params]

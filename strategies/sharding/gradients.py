@@ -180,7 +180,7 @@ class ShardedGradients:
         unit = self.unit
         self._output = torch.empty(unit.layout.shard_size + len(unit.params), dtype=unit.reduce_dtype,
                                    device=unit.device)
-        self._work = reduce_scatter_parts(self._output, self._parts(), unit.group, unit.stats, async_op=True)
+        self._work = reduce_scatter_parts(self._output, self._parts(), unit.groups.shard, unit.stats, async_op=True)
 
     def advance(self) -> None:
         """Free what backward no longer needs: the `.grad` tensors, once the reduce-scatter has sent them. Under

@@ -9,21 +9,50 @@ carry only a 1/G slice of the gradients and never the parameters.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 
+def _weak(group: Any) -> Any:
+    return None if group is None else weakref.ref(group)
+
+
+def _strong(reference: Any) -> Any:
+    return None if reference is None else reference()
+
+
 @dataclass(frozen=True)
 class Groups:
-    everyone: Any  # the data-parallel group (None: the default group); gradients are averaged over it
-    shard: Any  # ranks that share one copy of the state
-    replicate: Any  # ranks that hold the same shard (None: one copy)
+    """The groups are held weakly (torch.distributed holds them until destroy_process_group): a group that
+    outlives its destruction keeps gloo's worker threads running into interpreter shutdown, where one that
+    releases a finished collective's tensors aborts the process."""
+
+    _everyone: Any  # the data-parallel group (None: the default group); gradients are averaged over it
+    _shard: Any  # ranks that share one copy of the state
+    _replicate: Any  # ranks that hold the same shard (None: one copy)
     rank: int  # in the shard group
     size: int  # of the shard group
     data_parallel_size: int
     replica: int  # which copy this rank belongs to
+
+    @classmethod
+    def of(cls, everyone: Any, shard: Any, replicate: Any, *sizes: int) -> Groups:
+        return cls(_weak(everyone), _weak(shard), _weak(replicate), *sizes)
+
+    @property
+    def everyone(self) -> Any:
+        return _strong(self._everyone)
+
+    @property
+    def shard(self) -> Any:
+        return _strong(self._shard)
+
+    @property
+    def replicate(self) -> Any:
+        return _strong(self._replicate)
 
     @property
     def source(self) -> int:
@@ -34,10 +63,10 @@ class Groups:
 def make_groups(everyone: Any = None, shard_group_size: int | None = None) -> Groups:
     """Collective when `shard_group_size` splits the ranks: every rank must call it, in the same order."""
     if not dist.is_initialized():
-        return Groups(everyone, everyone, None, 0, 1, 1, 0)
+        return Groups.of(everyone, everyone, None, 0, 1, 1, 0)
     world = dist.get_world_size(everyone)
     if shard_group_size is None or shard_group_size == world:
-        return Groups(everyone, everyone, None, dist.get_rank(everyone), world, world, 0)
+        return Groups.of(everyone, everyone, None, dist.get_rank(everyone), world, world, 0)
     if not 1 <= shard_group_size <= world or world % shard_group_size:
         raise ValueError(
             f"hybrid_shard={shard_group_size} must divide the {world} data-parallel ranks into equal groups; "
@@ -47,4 +76,4 @@ def make_groups(everyone: Any = None, shard_group_size: int | None = None) -> Gr
     size = shard_group_size
     shard, _ = dist.new_subgroups_by_enumeration([ranks[i : i + size] for i in range(0, world, size)])
     replicate, _ = dist.new_subgroups_by_enumeration([ranks[offset::size] for offset in range(size)])
-    return Groups(everyone, shard, replicate, dist.get_rank(shard), size, world, dist.get_rank(replicate))
+    return Groups.of(everyone, shard, replicate, dist.get_rank(shard), size, world, dist.get_rank(replicate))

@@ -44,7 +44,7 @@ class ShardUnit:
         options: UnitOptions | None = None,
     ) -> None:
         self.name, self.module, self.spec, self.groups, self.stats = name, module, spec, groups, stats
-        self.rank, self.world_size, self.group = groups.rank, groups.size, groups.shard  # in the shard group
+        self.rank, self.world_size = groups.rank, groups.size  # in the shard group
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.trainable = [p.requires_grad for p in self.params]
@@ -122,7 +122,7 @@ class ShardUnit:
             return
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
         source = self.master.to(self.device, self.compute_dtype, non_blocking=True)
-        self._gather_work = all_gather(self.full_flat, source, self.group, self.stats, async_op=True)
+        self._gather_work = all_gather(self.full_flat, source, self.groups.shard, self.stats, async_op=True)
         self.state = ParamState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -183,13 +183,13 @@ class ShardUnit:
         lo, hi = self.layout.shard_range(self.rank)
         if not self.master_is_in_full_flat:
             self.full_flat[lo:hi].copy_(self.master)  # to the compute dtype
-        return all_gather(self.full_flat, self.full_flat[lo:hi], self.group, self.stats, async_op=True)
+        return all_gather(self.full_flat, self.full_flat[lo:hi], self.groups.shard, self.stats, async_op=True)
 
     def gather_full_master(self) -> torch.Tensor:
         """Every rank's master slice gathered into a new full-precision flat tensor (fsdp, mixed precision)."""
         full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
         with self.naming_failures("all-gather of the full parameters"):
-            all_gather(full, self.master.to(self.device), self.group, self.stats, async_op=False)
+            all_gather(full, self.master.to(self.device), self.groups.shard, self.stats, async_op=False)
         return full
 
     # ---- backward -----------------------------------------------------------------------------------

@@ -3,10 +3,13 @@
 python tests/scripts/allreduce.py --devices N [--fail-rank R] [--pid-dir DIR]
 With --fail-rank R, rank R raises ValueError after the all-reduce while the others wait in a barrier.
 With --pid-dir, each rank writes its pid to DIR/rank<r>.pid, and a failing rank the time to DIR/failed_at.
+The process group is left to the launcher to destroy (as a Trainer's user leaves it); each rank says at exit,
+after the launcher's exit handlers, whether it was destroyed while the interpreter was still whole.
 Without --devices (under torchrun) the environment is read from the variables torchrun sets.
 """
 
 import argparse
+import atexit
 import datetime
 import os
 import time
@@ -24,6 +27,8 @@ def main() -> None:
     parser.add_argument("--pid-dir", default=None)
     args = parser.parse_args()
 
+    # registered before init_process_group registers its own handler, so it runs after it (atexit is LIFO)
+    atexit.register(lambda: print(f"at exit: process group destroyed {not dist.is_initialized()}", flush=True))
     env = detect_environment() or launch_local_ranks(args.devices)
     init_process_group(env, "gloo", datetime.timedelta(seconds=120))
     if args.pid_dir:
@@ -38,7 +43,6 @@ def main() -> None:
                 f.write(repr(time.time()))
         raise ValueError(f"boom from rank {env.rank}")
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -212,7 +213,9 @@ class _Finish:
         return None
 
 
-_GROUP: list[Any] = [None, None]  # (the default group it was made for, the checkpoint group)
+# (the default group it was made for, the checkpoint group), held weakly: torch.distributed holds both until
+# destroy_process_group, and a group kept past that runs gloo's worker threads into interpreter shutdown
+_GROUP: list[Any] = [lambda: None, lambda: None]
 
 
 def _checkpoint_group() -> Any:
@@ -220,9 +223,11 @@ def _checkpoint_group() -> Any:
     background thread); None without a process group."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if _GROUP[0] is not dist.group.WORLD:
-        _GROUP[:] = [dist.group.WORLD, dist.new_group(backend="gloo")]
-    return _GROUP[1]
+    group = _GROUP[1]()
+    if _GROUP[0]() is not dist.group.WORLD or group is None:
+        group = dist.new_group(backend="gloo")
+        _GROUP[:] = [weakref.ref(dist.group.WORLD), weakref.ref(group)]
+    return group
 
 
 class CheckpointOSError(OSError):
