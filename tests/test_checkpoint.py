@@ -689,6 +689,26 @@ def test_last_finds_the_checkpoints_of_an_earlier_logger_version(tmp_path):
     assert snapshot.start["global_step"] == 4
 
 
+def test_a_checkpoint_saved_after_validate_resumes_a_fit_that_checkpoints(tmp_path):
+    """A checkpoint saved after validate() records the stage it was saved in; resuming fit from it must still be
+    a fit (ModelCheckpoint saves only while fitting)."""
+    class Validated(LM):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val/loss", F.cross_entropy(self.net(x).flatten(0, 1), y.flatten()))
+
+    trainer, module = make_trainer(str(tmp_path), "single", 1, 4), Validated()
+    trainer.fit(module, loader())
+    trainer.validate(module, loader())
+    trainer.save_checkpoint(str(tmp_path / "after_validate"))
+    dirpath = tmp_path / "resumed"
+    saver = ModelCheckpoint(dirpath=str(dirpath), every_n_train_steps=1)
+    resumed, _ = fit(str(tmp_path), "single", 1, 6, ckpt_path=str(tmp_path / "after_validate"), callbacks=[saver],
+                     enable_checkpointing=True)
+    assert resumed.global_step == 6 and resumed.state.stage == "fit"
+    assert os.listdir(dirpath) == ["epoch=1-step=6"]  # saved every step; save_top_k=1 keeps the newest
+
+
 # -- atomic writes --------------------------------------------------------------------------------------------
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpts" / "last")

@@ -89,7 +89,8 @@ def restore_trainer_state(trainer: Trainer, saved: dict[str, Any], rng: dict[str
     for cfg, sched_state in zip(trainer.lr_scheduler_configs, saved["lr_schedulers"]):
         cfg.scheduler.load_state_dict(sched_state)
     for key, value in saved["state"].items():
-        setattr(trainer.state, key, value)
+        if key != "stage":  # what the trainer is doing now (fit), not where the saved run was (maybe validate)
+            setattr(trainer.state, key, value)
     trainer.precision.load_state_dict(saved["precision"])
     for cb in trainer.callbacks:
         if cb.state_key in saved["callbacks"]:
