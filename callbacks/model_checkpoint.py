@@ -119,6 +119,11 @@ class ModelCheckpoint(Callback):
             self._save(trainer, strict=True)
 
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        # max_steps ended fit inside an epoch, whose end would have saved: keep what was trained, as Lightning
+        # does (the checkpoint resumes at the next batch of that epoch)
+        inside_an_epoch = trainer.state.batches_done_in_epoch > 0
+        if inside_an_epoch and self.every_n_epochs >= 1 and not self._skip(trainer):
+            self._save(trainer, strict=False)
         if self.monitor is None or self.save_top_k == 0 or not self._epoch_ended or trainer.sanity_checking:
             return
         logged = [k for k in broadcast_metrics(trainer) if k not in ("epoch", "step")]

@@ -331,6 +331,19 @@ def test_model_checkpoint_every_n_train_steps_in_the_default_directory(tmp_path)
     assert saver.best_model_path.endswith("epoch=1-step=6") and saver.best_model_score is None
 
 
+def test_max_steps_inside_an_epoch_still_leaves_a_checkpoint(tmp_path):
+    """As Lightning: the default ModelCheckpoint keeps what a run trained when max_steps ends it mid-epoch (the
+    checkpoint resumes inside the epoch, at the next batch); with every_n_train_steps it keeps its own steps."""
+    trainer = make_trainer(tmp_path, max_steps=3, enable_checkpointing=True, logger=False)
+    trainer.fit(Regression(), loader(batches=8), None)
+    assert checkpoint_dirs(tmp_path / "checkpoints") == ["epoch=0-step=3"]
+    assert load_trainer_state(tmp_path / "checkpoints" / "epoch=0-step=3")["state"]["batches_done_in_epoch"] == 3
+    saver = ModelCheckpoint(tmp_path / "by_steps", every_n_train_steps=2, save_top_k=-1)
+    make_trainer(tmp_path, max_steps=3, callbacks=[saver], enable_checkpointing=True, logger=False).fit(
+        Regression(), loader(batches=8), None)
+    assert checkpoint_dirs(tmp_path / "by_steps") == ["epoch=0-step=2"]
+
+
 def test_model_checkpoint_names_a_missing_metric(tmp_path):
     saver = ModelCheckpoint(tmp_path / "ckpts", monitor="val/acc")
     trainer = make_trainer(tmp_path, callbacks=[saver], enable_checkpointing=True, logger=False)
