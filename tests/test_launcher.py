@@ -78,6 +78,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
     torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     commands = {
         "two_ranks": [python, SCRIPT, "--devices", "2"],
+        "chdir": [python, os.path.relpath(SCRIPT, ROOT), "--devices", "2", "--chdir", str(tmp)],  # run from ROOT
         "trainer_exit": [python, os.path.join(ROOT, "tests", "scripts", "trainer_exit.py"), "--root", str(tmp / "te")],
         "rank1_raises": [python, "-m", "tests.scripts.allreduce", "--devices", "2", "--fail-rank", "1"],
         "rank0_raises": [python, SCRIPT, "--devices", "2", "--fail-rank", "0"],
@@ -119,6 +120,12 @@ def test_plain_command_starts_local_ranks(jobs):
     # interpreter finalization can abort the process (SIGABRT, "terminate called without an active exception")
     assert out.count("at exit: process group destroyed True") == 2, out
     _assert_no_survivors(jobs["two_ranks"], 2)
+
+
+def test_a_script_that_changes_directory_before_starting_ranks(jobs):
+    code, out, err = jobs["chdir"].result()
+    assert code == 0, err
+    assert "rank 0 of 2 on node 0: sum 3" in out and "rank 1 of 2 on node 0: sum 3" in out
 
 
 def test_a_trainer_script_leaves_no_gloo_thread_running_into_interpreter_shutdown(jobs):

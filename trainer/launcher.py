@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 _PARENT_PID_VAR = "TRAINER_LAUNCHER_PARENT_PID"  # set only for the children that launch_local_ranks starts
+_START_DIR = os.getcwd()  # where the command was started: a script that changes directory is re-run from here
 _POLL_S = 0.2
 _CAUSE_WAIT_S = 1.0  # how long a raising rank 0 looks for a dead child to name as the cause (slow under load)
 _JOIN_TIMEOUT = datetime.timedelta(minutes=5)  # for every rank to start, whatever the collective timeout
@@ -84,7 +85,7 @@ def launch_local_ranks(num_ranks: int) -> ClusterEnvironment:
     """Start ranks 1..num_ranks-1 on this machine by re-running this command; return rank 0's environment.
 
     The children run `sys.executable` with this process's original arguments (`python script.py ...` and
-    `python -m pkg ...` both work) in the current directory, so call this before any `os.chdir`.
+    `python -m pkg ...` both work) in the directory the command was started in (before any `os.chdir`).
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
@@ -105,7 +106,7 @@ def launch_local_ranks(num_ranks: int) -> ClusterEnvironment:
     children = {}
     for env in envs[1:]:
         child_env = {**os.environ, **env.to_environ(), _PARENT_PID_VAR: str(os.getpid())}
-        children[env.rank] = subprocess.Popen(command, env=child_env, start_new_session=True)
+        children[env.rank] = subprocess.Popen(command, env=child_env, cwd=_START_DIR, start_new_session=True)
     global _supervisor
     _supervisor = _Supervisor(children)
     _supervisor.start()

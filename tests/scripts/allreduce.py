@@ -2,6 +2,7 @@
 
 python tests/scripts/allreduce.py --devices N [--fail-rank R] [--pid-dir DIR]
 With --fail-rank R, rank R raises ValueError after the all-reduce while the others wait in a barrier.
+With --chdir DIR the script changes directory before it starts the ranks (its own path may be relative).
 With --pid-dir, each rank writes its pid to DIR/rank<r>.pid, and a failing rank the time to DIR/failed_at.
 The process group is left to the launcher to destroy (as a Trainer's user leaves it); each rank says at exit,
 after the launcher's exit handlers, whether it was destroyed while the interpreter was still whole.
@@ -25,7 +26,10 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--fail-rank", type=int, default=None)
     parser.add_argument("--pid-dir", default=None)
+    parser.add_argument("--chdir", default=None)
     args = parser.parse_args()
+    if args.chdir:
+        os.chdir(args.chdir)
 
     # registered before init_process_group registers its own handler, so it runs after it (atexit is LIFO)
     atexit.register(lambda: print(f"at exit: process group destroyed {not dist.is_initialized()}", flush=True))
