@@ -86,11 +86,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    tokens = min(128, GPT_PRESETS[args.preset].block_size)  # compare.py's batch: 2 sequences of 128 tokens
     g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, 256, (2, 128), generator=g) for _ in range(2))
+    x, y = (torch.randint(0, 256, (2, tokens), generator=g) for _ in range(2))
 
     split = split_of_eager_step(args.preset, x, y)
-    print(f"## {args.preset}: eager step, one process, one thread, batch 2 x 128 tokens\n")
+    print(f"## {args.preset}: eager step, one process, one thread, batch 2 x {tokens} tokens\n")
     print("| part | seconds | share |\n|---|---:|---:|")
     for part, seconds in split.items():
         print(f"| {part} | {seconds:.3f} | {seconds / split['step']:.0%} |")
