@@ -75,8 +75,16 @@ def mnist_loaders(
     data_dir: str, batch_size: int, test_batch_size: int, download: bool = True
 ) -> tuple[DataLoader, DataLoader]:
     transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
-    train = datasets.MNIST(data_dir, train=True, download=download, transform=transform)
-    test = datasets.MNIST(data_dir, train=False, download=download, transform=transform)
+    try:
+        train = datasets.MNIST(data_dir, train=True, download=download, transform=transform)
+        test = datasets.MNIST(data_dir, train=False, download=download, transform=transform)
+    except RuntimeError as error:
+        if download or "not found" not in str(error):
+            raise
+        raw = os.path.join(data_dir, "MNIST", "raw")
+        raise RuntimeError(f"Dataset not found: with --no-download the four MNIST files (train-images-idx3-ubyte, "
+                           f"train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, or their .gz) "
+                           f"must be in {raw}; run once without --no-download to fetch them") from error
     return (
         DataLoader(train, batch_size=batch_size, shuffle=True),
         DataLoader(test, batch_size=test_batch_size, shuffle=False),

@@ -309,7 +309,7 @@ def test_a_save_by_an_earlier_callback_in_the_same_hook_holds_that_steps_update(
     assert not torch.equal(trainer.strategy.full_state_dict()["emb.weight"], average["emb.weight"])
 
 
-def test_export_with_ema_writes_the_average_and_loads_in_one_process(rank_pool, tmp_path):
+def test_export_with_ema_writes_the_average_and_loads_in_one_process(rank_pool, tmp_path, capsys):
     path, out = str(tmp_path / "ckpt"), tmp_path / "export"
     saved = rank_pool(2).run(body_save, str(tmp_path), "fsdp", 2, path)[0]
     expected = with_average(saved["weights"], saved["average"])
@@ -332,8 +332,10 @@ def test_export_with_ema_writes_the_average_and_loads_in_one_process(rank_pool, 
     fit("single", 1, 4, steps=1, default_root_dir=str(tmp_path))[0].save_checkpoint(plain)
     with pytest.raises(ValueError, match="no EMA"):
         ckpt_io.load_full_state_dict(plain, ema=True)
-    with pytest.raises(ValueError, match="no EMA"):
+    with pytest.raises(SystemExit) as exited:  # the command line says it in one line, exit code 2
         ckpt_io.main(["export", plain, str(tmp_path / "none"), "--ema"])
+    assert exited.value.code == 2
+    assert "export: error: checkpoint" in capsys.readouterr().err
 
 
 def body_hybrid(path: str) -> dict | None:

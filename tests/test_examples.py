@@ -72,7 +72,7 @@ def test_mnist_loads_idx_files(mnist_dir: Path) -> None:
 
 
 def test_mnist_without_files_says_so(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="Dataset not found"):
+    with pytest.raises(RuntimeError, match=r"Dataset not found: with --no-download .* must be in .*MNIST/raw"):
         mnist.mnist_loaders(str(tmp_path), 64, 1000, download=False)
 
 

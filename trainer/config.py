@@ -18,14 +18,13 @@ def _is_int(value: Any) -> bool:
 def check_accelerator(accelerator: str) -> str:
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator={accelerator!r} is not supported; choose one of {list(ACCELERATORS)}")
-    accelerator = "cuda" if accelerator == "gpu" else accelerator
     if accelerator == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if accelerator == "cuda" and not torch.cuda.is_available():
+    if accelerator in ("cuda", "gpu") and not torch.cuda.is_available():
         raise ValueError(
-            "accelerator='cuda' but no CUDA device is available; use accelerator='cpu' or 'auto'"
+            f"accelerator={accelerator!r} but no CUDA device is available; use accelerator='cpu' or 'auto'"
         )
-    return accelerator
+    return "cuda" if accelerator == "gpu" else accelerator
 
 
 def check_devices(devices: Any, accelerator: str) -> tuple[int, list[int] | None]:

@@ -17,7 +17,8 @@ _ALIASES = {"32-true": "32", 32: "32", "16": "16-mixed", 16: "16-mixed", "bf16":
 def check_precision(precision: Any) -> str:
     precision = _ALIASES.get(precision, precision)
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; choose one of {list(PRECISIONS)}")
+        raise ValueError(f"precision={precision!r} is not supported; choose one of {list(PRECISIONS)} (or "
+                         f"Lightning's names {[k for k in _ALIASES if isinstance(k, str)]})")
     return precision
 
 

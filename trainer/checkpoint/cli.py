@@ -19,7 +19,8 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint", description=__doc__.splitlines()[0])
+    what = " ".join(__doc__.split()).split(": ", 1)[1]  # the docstring's sentence, without the command
+    parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint", description=what)
     commands = parser.add_subparsers(dest="command", required=True)
     merge = commands.add_parser("consolidate", help="write a checkpoint as one plain torch.load file")
     merge.add_argument("checkpoint")
@@ -36,6 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("--ema", action="store_true",
                         help="the moving average of callbacks.EMA instead of the trained weights")
     args = parser.parse_args(argv)
+    try:
+        _run(args)
+    except (ValueError, OSError) as error:  # a checkpoint that is not there or not what was asked: say so, briefly
+        parser.exit(2, f"{parser.prog} {args.command}: error: {error}\n")
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "consolidate":
         consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer)
         print(f"wrote {args.out}")
