@@ -21,6 +21,7 @@ from tests.test_parity import (
     STRATEGIES,
     Block,
     fit,
+    make_strategy,
     max_relative_difference,
     new_model,
     token_dataset,
@@ -48,15 +49,11 @@ def compiled(name: str, options: dict, classes: set = frozenset({Block})):
             "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, **kwargs)}[name]()
 
 
-def eager(name: str):
-    return FSDPStrategy(auto_wrap_policy={Block}) if name == "fsdp" else name
-
-
 def body_compiled_against_eager(steps: int = 4) -> dict | None:
     out = {}
     for name in STRATEGIES:
         for mode in ("eager", "compiled"):
-            strategy = eager(name) if mode == "eager" else compiled(name, STRICT)
+            strategy = make_strategy(name) if mode == "eager" else compiled(name, STRICT)
             callbacks = [NoRecompileAfterStep2()] if mode == "compiled" else []
             trainer = fit(new_model(optimizer="adamw"), strategy, world_size(), PER_RANK_BATCH, steps=steps,
                           dataset=token_dataset(48), callbacks=callbacks)
@@ -125,15 +122,10 @@ def body_gpt_with_inductor(compile_: bool, optimizer: str = "sgd", bias: bool = 
     return {name.removeprefix("model."): value for name, value in trainer.strategy.full_state_dict().items()}
 
 
-def plain_torch_gpt(compile_: bool, optimizer: str, bias: bool) -> dict:
-    """The same training in one process with plain torch: no Trainer, no strategy, blocks compiled by hand."""
-    from examples.gpt import Block as GPTBlock
-
+def plain_torch_gpt(optimizer: str, bias: bool) -> dict:
+    """The same training in one eager process with plain torch: no Trainer, no strategy, no compiler."""
     torch.manual_seed(0)
     model = tiny_gpt(bias)
-    if compile_:
-        for block in (m for m in model.modules() if isinstance(m, GPTBlock)):
-            block.compile(fullgraph=True)
     opt = new_gpt_optimizer(optimizer, model.parameters())
     for x, y in DataLoader(gpt_loader().dataset, batch_size=4):
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
@@ -153,11 +145,10 @@ def test_inductor_with_adamw_matches_one_eager_process(rank_pool):
 
     Without biases: the key part of an attention bias has a gradient that is zero in exact arithmetic (softmax
     ignores a shift shared by all keys), so what is there is rounding noise, which AdamW's first, sign-like steps
-    turn into lr-sized updates. Plain torch.compile in one process moves those biases 5e-4 away from eager."""
+    turn into lr-sized updates: with biases, plain torch.compile (each Block, inductor) in one process moves them
+    5e-4 away from eager (measured 2026-11-24), so no strategy can be held to 1e-4 there."""
     ours = rank_pool(2).run(body_gpt_with_inductor, True, "adamw", False)[0]
-    assert max_relative_difference(ours, plain_torch_gpt(False, "adamw", bias=False)) <= 1e-4
-    compiled_with_biases = plain_torch_gpt(True, "adamw", bias=True)
-    assert max_relative_difference(compiled_with_biases, plain_torch_gpt(False, "adamw", bias=True)) > 1e-4  # torch's
+    assert max_relative_difference(ours, plain_torch_gpt("adamw", bias=False)) <= 1e-4
 
 
 # ------------------------------------------------------------------------------ HuggingFace GPT-2 blocks
@@ -195,7 +186,7 @@ def test_checkpoints_move_between_compiled_and_eager_runs(tmp_path):
                       enable_progress_bar=False)
     resumed.fit(new_model(optimizer="adamw"), DataLoader(token_dataset(48), batch_size=PER_RANK_BATCH),
                 ckpt_path=path)
-    uninterrupted = fit(new_model(optimizer="adamw"), eager("fsdp"), 1, PER_RANK_BATCH, steps=4,
+    uninterrupted = fit(new_model(optimizer="adamw"), make_strategy("fsdp"), 1, PER_RANK_BATCH, steps=4,
                         dataset=token_dataset(48))
     difference = max_relative_difference(resumed.strategy.full_state_dict(), uninterrupted.strategy.full_state_dict())
     assert difference <= 1e-4

@@ -20,13 +20,14 @@ from torch.utils.data import DataLoader
 
 from callbacks import EMA, Callback, ModelCheckpoint
 from strategies import FSDPStrategy
-from tests.test_checkpoint import keeps_determinism_setting, stored_chunks
+from tests.test_checkpoint import keeps_determinism_setting, rank_zero, stored_chunks
 from tests.test_parity import (
     PER_RANK_BATCH,
     STRATEGIES,
     VOCAB,
     Block,
     TiedLM,
+    make_strategy,
     max_relative_difference,
     token_dataset,
     world_size,
@@ -66,10 +67,6 @@ class Recorder(Callback):
         if trainer.state.stage == "fit":
             average = full_average(trainer, self.ema) if self.ema is not None else None
             self.validations.append((float(trainer.callback_metrics["val/loss"]), average))
-
-
-def make_strategy(name: str):
-    return FSDPStrategy(auto_wrap_policy={Block}) if name == "fsdp" else name
 
 
 def val_loader(batch_size: int = 3) -> DataLoader:
@@ -220,10 +217,6 @@ def body_validation(strategy: str) -> dict | None:
     return rank_zero(trainer, {"trained": trained, "plain": plain.strategy.full_state_dict(), "again": again,
                                "validations": recorder.validations, "after": after, "tested": tested,
                                "average": full_average(trainer, ema)})
-
-
-def rank_zero(trainer: Trainer, value: object) -> object:
-    return value if trainer.is_global_zero else None
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

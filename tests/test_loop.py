@@ -6,8 +6,6 @@ import inspect
 import os
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from callbacks import Callback
 from strategies import FSDPStrategy
@@ -19,9 +17,9 @@ OWN_PACKAGES = tuple(os.path.join(PROJECT, package) + os.sep for package in ("tr
 
 class CountsFrames(TiedLM):
     def training_step(self, batch, batch_idx):
-        stack = [frame.filename for frame in inspect.stack()]
-        fit_at = next(i for i, f in enumerate(inspect.stack()) if f.function == "fit" and "trainer.py" in f.filename)
-        self.frames_between = sum(f.startswith(OWN_PACKAGES) for f in stack[1:fit_at])
+        stack = inspect.stack()
+        fit_at = next(i for i, f in enumerate(stack) if f.function == "fit" and "trainer.py" in f.filename)
+        self.frames_between = sum(f.filename.startswith(OWN_PACKAGES) for f in stack[1:fit_at])
         return super().training_step(batch, batch_idx)
 
 
@@ -51,7 +49,7 @@ def body_model_in_callback_and_after_fit() -> dict:
     x = token_dataset().tensors[0][:2]
     after = module(x).detach()  # with grad enabled, outside any Trainer call
     return {"during": callback.output, "state": callback.state, "after": after,
-            "final": trainer.strategy.full_state_dict(), "rank": dist.get_rank()}
+            "final": trainer.strategy.full_state_dict()}
 
 
 def test_the_model_computes_with_real_weights_in_a_callback_and_after_fit(rank_pool):
@@ -62,4 +60,4 @@ def test_the_model_computes_with_real_weights_in_a_callback_and_after_fit(rank_p
         assert torch.allclose(out["during"], plain(x).detach(), atol=1e-6)
         plain.load_state_dict(out["final"])
         assert torch.allclose(out["after"], plain(x).detach(), atol=1e-6)
-        assert out["after"].abs().sum() > 0 and isinstance(plain, nn.Module)
+        assert out["after"].abs().sum() > 0
