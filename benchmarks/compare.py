@@ -69,7 +69,7 @@ COMPILED_VARIANTS = ("floor+compile", "ddp+compile", "fsdp+compile", "torch-fsdp
 EXTRA_VARIANTS = ("floor-solo", "hsdp", "torch-hsdp", *COMPILED_VARIANTS)
 HSDP_GROUP = 2  # ranks that shard among themselves in the hsdp variants
 COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero", "zero2": "torch-ddp", "fsdp": "torch-fsdp",
-               "hsdp": "torch-hsdp", "ddp+compile": "torch-ddp", "fsdp+compile": "torch-fsdp+compile"}
+               "hsdp": "torch-hsdp", "fsdp+compile": "torch-fsdp+compile"}
 AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "torch-hsdp", "ddp", "zero1", "zero2", "fsdp", "hsdp",
              "ddp+compile", "fsdp+compile", "torch-fsdp+compile")
 
@@ -122,7 +122,7 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
         if name == "floor-solo" and rank != 0:
             return (lambda x, y: None), None, None
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        return _plain_step(model, model, opt), None, None
+        return _plain_step(model, opt), None, None
     if name in ("torch-ddp", "torch-zero"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
@@ -132,7 +132,7 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
             opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
         else:
             opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
-        return _plain_step(ddp, model, opt), None, None
+        return _plain_step(ddp, opt), None, None
     if name in ("torch-fsdp", "torch-hsdp"):
         from torch.distributed.fsdp import fully_shard
 
@@ -140,7 +140,7 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
         for block in model.h:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return _plain_step(model, model, torch.optim.AdamW(model.parameters(), lr=lr)), None, None
+        return _plain_step(model, torch.optim.AdamW(model.parameters(), lr=lr)), None, None
 
     from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
 
@@ -152,10 +152,10 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
                 "hsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=HSDP_GROUP)}[name]()
     model = strategy.setup_module(model)
     opt = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
-    return _plain_step(model, model, opt), strategy.engine, strategy.teardown
+    return _plain_step(model, opt), strategy.engine, strategy.teardown
 
 
-def _plain_step(wrapped, model, opt):
+def _plain_step(wrapped, opt):
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(wrapped(x), y)
         loss.backward()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
     import torch
     from torch.optim import Optimizer

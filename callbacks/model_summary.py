@@ -57,14 +57,6 @@ class ModelSummary(Callback):
         total = sum(p.numel() for p in module.parameters())
         lines += [
             f"{_size(trainable)} trainable params, {_size(total - trainable)} non-trainable, {_size(total)} total",
-            f"parameters held per rank ({_describe(trainer.strategy)}): {_mib(sum(held.values()))}",
+            f"parameters held per rank ({trainer.strategy.describe()}): {_mib(sum(held.values()))}",
         ]
         return "\n".join(lines)
-
-
-def _describe(strategy) -> str:
-    """The strategy's name, and for hybrid sharding the size of the groups that shard."""
-    groups = getattr(getattr(strategy, "engine", None), "groups", None)
-    if groups is not None and groups.replicate is not None:
-        return f"{strategy.name}, hybrid: sharded in groups of {groups.size}"
-    return strategy.name

@@ -222,6 +222,17 @@ class Strategy:
         Collective."""
         self.engine.after_master_pieces_changed()
 
+    def describe(self) -> str:
+        """The strategy's name, and under hybrid sharding the size of the groups that shard."""
+        groups = self.engine.groups if self.engine is not None else None
+        if groups is not None and groups.replicate is not None:
+            return f"{self.name}, hybrid: sharded in groups of {groups.size}"
+        return self.name
+
+    def plan_options(self) -> dict[str, Any]:
+        """The options of this strategy that the memory plan (strategies.plan.plan_memory) takes into account."""
+        return {}
+
     @property
     def writes_own_pieces(self) -> bool:
         """Whether this rank writes its pieces in checkpoints: under hybrid sharding only the first copy's ranks do

@@ -17,8 +17,6 @@ from torch import nn
 from .sharding import WrapPolicy
 from .wrap import resolve_wrap_policy
 
-CompileChoice = bool | set | frozenset | list | tuple | WrapPolicy | None
-
 
 def resolve_compile(owner: str, value: Any) -> bool | WrapPolicy | None:
     """None/False: nothing; True: the strategy's units (see `modules_to_compile`); else a wrap-policy form (a set of

@@ -59,6 +59,13 @@ class FSDPStrategy(Strategy):
                 "unit_options": options, "shard_group_size": shard_group_size(self.hybrid_shard, self.world_size),
                 "forward_context": self._offload_activations if self.activation_offload else None}
 
+    def plan_options(self) -> dict[str, Any]:
+        options = {"wrap_policy": self.auto_wrap_policy, "activation_checkpointing": self.activation_checkpointing,
+                   "param_dtype": self.mixed_precision.param_dtype, "reduce_dtype": self.mixed_precision.reduce_dtype}
+        if isinstance(self.hybrid_shard, int):
+            options["hybrid_shard"] = self.hybrid_shard
+        return options
+
     def _offload_activations(self) -> Any:
         """Activations saved for backward go to CPU memory (pinned when a GPU is used) and come back in backward."""
         return torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda")

@@ -25,6 +25,18 @@ class Agreement:
     last_batch: bool = False
 
 
+def count_across_ranks(strategy: Any, flags: tuple[bool | torch.Tensor, ...]) -> list[int]:
+    """For each flag, how many ranks raised it, in one all-reduce. The counts travel as the digits of one integer
+    in base world_size + 1 (a digit summed over the ranks never carries): gloo all-reduces one element in about
+    half the time of four (~0.6 against ~1.2 ms here). Collective."""
+    base = strategy.world_size + 1
+    packed = torch.zeros((), dtype=torch.int64, device=strategy.root_device)
+    for i, flag in enumerate(flags):
+        packed += (flag.long() if isinstance(flag, torch.Tensor) else int(flag)) * base**i
+    total = int(strategy.all_reduce(packed, op="sum").item())
+    return [total // base**i % base for i in range(len(flags))]
+
+
 def agree(
     strategy: Any, loss: torch.Tensor | None, check_loss: bool, stop: bool, has_next: bool, where: str
 ) -> Agreement:
@@ -32,15 +44,9 @@ def agree(
     check_loss = check_loss and not skip
     if not strategy.distributed:
         return Agreement(skip, check_loss and not bool(torch.isfinite(loss)), stop, not has_next)
-    # The four counts travel as the digits of one integer in base world_size + 1 (a digit summed over the ranks
-    # never carries): gloo all-reduces one element in about half the time of four (~0.6 against ~1.2 ms here).
-    base = strategy.world_size + 1
-    local = sum(int(flag) * base**i for i, flag in enumerate((skip, False, stop, not has_next)))
-    packed = torch.tensor(local, dtype=torch.int64, device=strategy.root_device)
-    if check_loss:
-        packed += (~torch.isfinite(loss.detach())).long() * base  # on the device: the one sync is the all-reduce's
-    total = int(strategy.all_reduce(packed, op="sum").item())
-    skipping, nonfinite, stopping, ran_out = (total // base**i % base for i in range(4))
+    # the loss check stays on the device: the one sync is the all-reduce's
+    nonfinite_here = ~torch.isfinite(loss.detach()) if check_loss else False
+    skipping, nonfinite, stopping, ran_out = count_across_ranks(strategy, (skip, nonfinite_here, stop, not has_next))
     if skipping not in (0, strategy.world_size):
         ranks = [rank for rank, flag in enumerate(strategy.all_gather_object(skip)) if flag]
         raise RuntimeError(

@@ -95,9 +95,11 @@ class StepRunner:
     def _log_memory(self) -> None:
         """Every rank's memory report (memory/rank<r>/<kind>_MiB), at the start and at each epoch's end."""
         t = self.trainer
+        if t.logger is None:  # the same on every rank: nothing to gather for
+            return
         reports = self.strategy.all_gather_object(self.strategy.memory_report())
         metrics = {f"memory/rank{r}/{k}_MiB": v / 2**20 for r, report in enumerate(reports) for k, v in report.items()}
-        if t.logger is not None and t.is_global_zero:
+        if t.is_global_zero:
             t.logger.log_metrics(metrics, step=t.global_step)
 
     def _finished(self) -> bool:

@@ -13,13 +13,9 @@ from typing import Any
 
 import torch
 
+from .config import check_choice
+
 ON_NONFINITE = ("error", "skip", "ignore")
-
-
-def check_on_nonfinite(value: Any) -> str:
-    if value not in ON_NONFINITE:
-        raise ValueError(f"on_nonfinite={value!r} is not valid; choose one of {list(ON_NONFINITE)}")
-    return value
 
 
 def nonfinite_losses(strategy: Any, loss: torch.Tensor | None) -> str:
@@ -32,7 +28,7 @@ class NonFiniteGuard:
     """Applies `on_nonfinite` and counts the steps it skipped. Every rank calls it alike (the finding is agreed)."""
 
     def __init__(self, mode: str) -> None:
-        self.mode = check_on_nonfinite(mode)
+        self.mode = check_choice("on_nonfinite", mode, ON_NONFINITE)
         self.skipped = 0
 
     @property

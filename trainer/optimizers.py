@@ -8,7 +8,7 @@ a list or tuple of such dicts. A scheduler config steps every `frequency` epochs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +32,6 @@ class SchedulerConfig:
     strict: bool = True
     name: str | None = None
     optimizer_index: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reduce_on_plateau(self) -> bool:

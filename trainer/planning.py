@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from strategies import FSDPStrategy, Strategy, get_strategy
+from strategies import Strategy, get_strategy
 from strategies.plan import MemoryPlan, device_memory_per_rank, format_bytes, parse_bytes, plan_memory
 
 if TYPE_CHECKING:
@@ -36,22 +36,14 @@ def _sample(loader: Any) -> Any:
 
 def make_plan(trainer: Trainer, module: Any, batch_size: int | None = None, seq_len: int | None = None,
               train_dataloaders: Any = None, device_memory: int | None = None) -> MemoryPlan:
-    """The plan at the Trainer's world size and precision, with its FSDPStrategy's options if it has one. The batch
+    """The plan at the Trainer's world size and precision, with the options its strategy gives the plan. The batch
     is the module's example_input, else shaped like the train DataLoader's samples."""
     loader, sample = train_dataloaders, None
     if not callable(getattr(module, "example_input", None)):
         loader = loader if loader is not None else module.train_dataloader()
         sample = _sample(loader) if loader is not None else None
     batch_size = batch_size or getattr(loader, "batch_size", None) or 1
-    options: dict[str, Any] = {}
-    strategy = trainer.strategy
-    if isinstance(strategy, FSDPStrategy):
-        options = {"wrap_policy": strategy.auto_wrap_policy,
-                   "activation_checkpointing": strategy.activation_checkpointing,
-                   "param_dtype": strategy.mixed_precision.param_dtype,
-                   "reduce_dtype": strategy.mixed_precision.reduce_dtype}
-        if isinstance(strategy.hybrid_shard, int):
-            options["hybrid_shard"] = strategy.hybrid_shard
+    options = trainer.strategy.plan_options()
     return plan_memory(module, world_size=trainer.world_size, nodes=trainer.num_nodes, batch_size=batch_size,
                        seq_len=seq_len, precision=trainer.precision.precision, device_memory=device_memory,
                        sample=sample, **options)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from .agreement import count_across_ranks
 from .data import batches_per_rank, loader_length
 
 _END = object()
@@ -107,12 +108,9 @@ def evaluation_batches(loader: Any, limit: int, strategy: Any) -> Iterator[tuple
 
 
 def _tell_each_other(strategy: Any, has_batch: bool, no_template: bool) -> tuple[int, bool]:
-    """(ranks that have a batch, whether a rank without one has never had a batch to cut). The two counts are
-    the digits of one integer in base world_size + 1, as in agreement.py: one element all-reduces fastest."""
-    base = strategy.world_size + 1
-    packed = torch.tensor(int(has_batch) + base * int(not has_batch and no_template), dtype=torch.int64)
-    total = int(strategy.all_reduce(packed, "sum").item())
-    return total % base, total // base > 0
+    """(ranks that have a batch, whether a rank without one has never had a batch to cut). Collective."""
+    have, lacking_template = count_across_ranks(strategy, (has_batch, not has_batch and no_template))
+    return have, lacking_template > 0
 
 
 def _template_from_peers(strategy: Any, batch: Any, template: Any) -> Any:

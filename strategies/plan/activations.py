@@ -19,8 +19,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..sharding.engine import NORM_LAYERS
 from ..sharding.hooks import cast_floating
+from ..sharding.units import NORM_LAYERS
 
 AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None}
 

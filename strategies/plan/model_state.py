@@ -31,9 +31,8 @@ import torch
 from torch import nn
 
 from ..sharding import ShardingSpec
-from ..sharding.engine import NORM_LAYERS
 from ..sharding.layout import FlatLayout
-from ..sharding.units import assign_to_units, gradient_buckets, policy_modules
+from ..sharding.units import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
 from ..wrap import resolve_wrap_policy
 from .report import StrategyMemory
 
@@ -99,7 +98,7 @@ def plan_units(
     if spec.shard_parameters:
         chosen = [name for name, _ in policy_modules(model, resolve_wrap_policy(wrap_policy))]
         if param_dtype is not None:  # the engine keeps normalization layers in full precision, as units
-            norm_units = {n for n, m in model.named_modules() if n and isinstance(m, NORM_LAYERS)} - set(chosen)
+            norm_units = full_precision_norm_units(model, set(chosen))
         groups = list(assign_to_units(model, chosen + sorted(norm_units)).items())
     else:
         groups = [(f"bucket{i}", bucket) for i, bucket in enumerate(gradient_buckets(model))]

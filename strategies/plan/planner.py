@@ -10,14 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2
+from ..registry import STRATEGIES
 from ..wrap import resolve_wrap_policy
 from .activations import AUTOCAST, activation_bytes
 from .model_state import check_optimizer, model_state_bytes, optimizer_kind
 from .report import STRATEGY_ORDER, MemoryPlan
 from .sizes import format_bytes, parse_bytes
 
-SPECS = {"ddp": REPLICATED, "zero1": ZERO1, "zero2": ZERO2, "fsdp": FULL_SHARD}
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -115,10 +114,12 @@ def plan_memory(
     optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
     check_optimizer(optimizer)
     seq_len = seq_len if seq_len is not None else default_seq_len(meta)
-    shard_over = {name: world_size if name != "hsdp" else group for name in STRATEGY_ORDER}  # least comm. first
-    if group is None:
-        del shard_over["hsdp"]  # hsdp: sharded within a group of G ranks, replicated across the groups
-    rows = {name: model_state_bytes(meta, SPECS.get(name, FULL_SHARD), ranks, wrap_policy=wrap_policy,
+    strategies = {name: STRATEGIES[name]() for name in STRATEGY_ORDER}  # least communication first
+    # a hybrid strategy (hsdp) shards within a group of G ranks and replicates across the groups
+    hybrid = {name for name, s in strategies.items() if getattr(s, "hybrid_shard", None) is not None}
+    shard_over = {name: group if name in hybrid else world_size for name in strategies
+                  if group is not None or name not in hybrid}
+    rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer)
             for name, ranks in shard_over.items()}
     activations = activation_bytes(meta, batch_size, seq_len, precision, param_dtype,

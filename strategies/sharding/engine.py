@@ -31,10 +31,9 @@ from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .spec import ShardingSpec, UnitOptions
 from .unit import ShardUnit
-from .units import assign_to_units, gradient_buckets, policy_modules
+from .units import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
 
 WrapPolicy = Callable[[nn.Module, str], bool]
-NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 REDUCTIONS_IN_FLIGHT = 1  # sharded-gradient reductions allowed to overlap backward before the oldest is awaited
 
 
@@ -111,9 +110,7 @@ class ShardingEngine:
         """Under mixed precision, normalization layers become units of their own kept in full precision
         (their inputs are cast up and their outputs back down), as layer statistics are fragile in bf16/fp16."""
         chosen = {name for name, _ in wrapped}
-        self._full_precision_units = {
-            name for name, m in self.module.named_modules() if name and isinstance(m, NORM_LAYERS)
-        } - chosen
+        self._full_precision_units = full_precision_norm_units(self.module, chosen)
         keep = chosen | self._full_precision_units
         return [(name, m) for name, m in self.module.named_modules() if name in keep]
 
@@ -354,7 +351,6 @@ class ShardingEngine:
     def _write_full_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
         unit, index = self._unit_of_param[id(param)]
         unit.write_full_parameter(index, value)
-
 
 
 def _check_options(spec: ShardingSpec, options: UnitOptions) -> None:

@@ -72,7 +72,3 @@ class FlatPieces:
         if self._views is None:
             self._views = {tuple(o): v for o, _, v in self.boxes()}
         return self._views[tuple(offsets)]
-
-    @property
-    def numel(self) -> int:
-        return sum(data.numel() for _, data in self.pieces)

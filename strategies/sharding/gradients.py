@@ -148,6 +148,7 @@ class ShardedGradients:
         self._work: Work = None
         self._output: torch.Tensor | None = None
         self._across_groups = False  # hybrid: the reduce-scatter is done, the all-reduce across groups in flight
+        self._placeholders: dict[int, torch.Tensor] = {}  # by parameter index: made once, shown at every step
 
     @property
     def nbytes(self) -> int:
@@ -258,7 +259,9 @@ class ShardedGradients:
         used = self.used.tolist()
         for index, p in enumerate(self.unit.params):
             if self.unit.trainable[index] and used[index]:
-                p.grad = sharded_gradient(p, self.unit.param_names[index], self.unit.world_size)
+                if index not in self._placeholders:
+                    self._placeholders[index] = sharded_gradient(p, self.unit.param_names[index], self.unit.world_size)
+                p.grad = self._placeholders[index]
 
     def hide(self) -> None:
         for p in self.unit.params:

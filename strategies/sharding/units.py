@@ -9,6 +9,13 @@ from torch import nn
 BUCKET_ELEMENTS = 25 * 1024 * 1024 // 4  # like torch DDP's 25 MiB buckets, in fp32 elements
 
 NamedParams = list[tuple[str, nn.Parameter]]
+NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def full_precision_norm_units(root: nn.Module, chosen: set[str]) -> set[str]:
+    """Under mixed precision, the normalization layers not already chosen as units become units of their own, kept
+    in full precision (layer statistics are fragile in bf16/fp16)."""
+    return {name for name, m in root.named_modules() if name and isinstance(m, NORM_LAYERS)} - chosen
 
 
 def unique_named_parameters(root: nn.Module) -> NamedParams:

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from strategies import FlatPieces
 
 from .format import META, MODEL, unwrapped
-from .load import assemble, read_meta_item, weight_keys
+from .load import assemble, read_meta_item, tied_keys, weight_keys
 from .planners import ShardLoadPlanner
 from .source import Source, open_source
 from .streamed_file import StreamedFullFile
@@ -41,7 +41,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer:
     `with_optimizer`, everything (what `save_checkpoint(full=True)` writes). Streamed: a batch at a time."""
     source = open_source(path)
     meta = read_meta_item(source)
-    tied = {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}  # a full file holds them: tied again
+    tied = tied_keys(meta)  # a full file holds them: tied again
     keys = [k for k, p in source.paths.items() if k not in tied and (with_optimizer or p[0] in (MODEL, META))]
     objects = source.read({k: None for k in keys if k not in source.tensors})
     placeholders = {k: torch.empty(source.tensors[k].shape, dtype=source.tensors[k].dtype)  # not resident

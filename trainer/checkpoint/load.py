@@ -133,11 +133,9 @@ def load_full_state_dict(path: str | os.PathLike, ema: bool = False) -> dict[str
     checkpoint this project writes (a directory, a full file or a consolidated file), in one process with no
     process group. With `ema`, the moving average of callbacks.EMA in place of each parameter it averages (the
     frozen ones and the buffers keep their trained values)."""
-    if not ema:
-        return load_checkpoint(path, weights_only=True)[MODEL]
     source = open_source(path)
     meta = read_meta_item(source)
-    keys = weight_keys(source, meta, path, ema=True)
+    keys = weight_keys(source, meta, path, ema)
     values = source.read({k: _empty(source.tensors[k]) if k in source.tensors else None for k in set(keys.values())})
     entries = {key: values[read] for key, read in keys.items()}
     return assemble(source, {**entries, META: meta} if META in source.paths else entries)[MODEL]
@@ -146,7 +144,7 @@ def load_full_state_dict(path: str | os.PathLike, ema: bool = False) -> dict[str
 def weight_keys(source: Source, meta: dict[str, Any], path: Any, ema: bool = False) -> dict[str, str]:
     """The key of each model entry ("model.<name>", tied aliases left out) and the key it is read from: itself,
     or with `ema` the average ("ema.<name>") where the checkpoint has one."""
-    tied = {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}
+    tied = tied_keys(meta)
     keys = {k: k for k, p in source.paths.items() if p[0] == MODEL and k not in tied}
     if not ema:
         return keys
@@ -163,10 +161,15 @@ def load_checkpoint(path: str | os.PathLike, weights_only: bool = False) -> dict
     "meta"). Every item is checked as it is read."""
     source = open_source(path)
     meta = read_meta_item(source)
-    tied = {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}  # a full file holds them: tied again below
+    tied = tied_keys(meta)  # a full file holds them: tied again below
     wanted = [k for k, p in source.paths.items() if k != META and k not in tied and (p[0] == MODEL or not weights_only)]
     values = source.read({k: _empty(source.tensors[k]) if k in source.tensors else None for k in wanted})
     return assemble(source, {**values, META: meta} if META in source.paths else values)
+
+
+def tied_keys(meta: dict[str, Any]) -> set[str]:
+    """The keys of the tied names of parameters ("model.<alias>"), which a checkpoint stores under the first name."""
+    return {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}
 
 
 def read_meta_item(source: Source) -> dict[str, Any]:
