@@ -167,8 +167,11 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout: datetime.
 
 def destroy_process_group_if_owned(owned: bool) -> None:
     """Destroy the process groups if `init_process_group` created the default one. A group's gloo worker threads
-    stop only when the last reference to it goes (the project holds groups weakly), so collect right away."""
-    if owned and dist.is_initialized():
+    stop only when the last reference to it goes (the project holds groups weakly), so collect right away. Not
+    when the process is ending on an uncaught error: a worker may then still wait on a stuck peer, and joining it
+    would hold the exit until the collective's timeout."""
+    failing = getattr(sys, "last_value", None) is not None  # set by the interpreter for an uncaught exception
+    if owned and dist.is_initialized() and not failing:
         dist.destroy_process_group()
         gc.collect()
 
