@@ -171,14 +171,15 @@ def test_activation_checkpointing_keeps_only_the_inputs():
 def test_mixed_precision_and_token_models():
     """A token model (first parameter an Embedding) gets int64 tokens and a next-token loss. bf16 autocast saves
     fewer bytes than fp32 (not half: the loss works in fp32, and the bf16 copies of the weights are saved too);
-    bf16-true halves the model state as well."""
+    bf16-true and 16-true (every precision the Trainer takes) halve the model state as well."""
     from examples.llama import llama_tiny
 
-    fp32, bf16, true = (plan_memory(llama_tiny(), batch_size=8, seq_len=64, precision=precision)
-                        for precision in ("32", "bf16-mixed", "bf16-true"))
+    fp32, bf16, true, fp16_true = (plan_memory(llama_tiny(), batch_size=8, seq_len=64, precision=precision)
+                                   for precision in ("32", "bf16-mixed", "bf16-true", "16-true"))
     assert 0 < true.activations < bf16.activations < 0.8 * fp32.activations
     assert fp32.strategies["ddp"].model_state == bf16.strategies["ddp"].model_state
     assert fp32.strategies["ddp"].model_state == 2 * true.strategies["ddp"].model_state
+    assert fp16_true.strategies["ddp"].model_state == true.strategies["ddp"].model_state
 
 
 def test_a_70b_model_is_planned_without_memory():

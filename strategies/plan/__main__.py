@@ -10,12 +10,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .activations import AUTOCAST
 from .model_state import OPTIMIZER_STATES
 from .planner import plan_memory
 from .sizes import device_memory_per_rank, parse_bytes
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = tuple(AUTOCAST)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:

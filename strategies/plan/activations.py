@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..sharding.hooks import cast_floating
 from ..sharding.units import NORM_LAYERS
 
-AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None}
+AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None, "16-true": None}
+TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the whole model in this dtype
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:

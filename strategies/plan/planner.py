@@ -12,7 +12,7 @@ from torch import nn
 
 from ..registry import STRATEGIES
 from ..wrap import resolve_wrap_policy
-from .activations import AUTOCAST, activation_bytes
+from .activations import AUTOCAST, TRUE_DTYPES, activation_bytes
 from .model_state import check_optimizer, model_state_bytes, optimizer_kind
 from .report import STRATEGY_ORDER, MemoryPlan
 from .sizes import format_bytes, parse_bytes
@@ -109,8 +109,8 @@ def plan_memory(
     meta = meta_copy(model)
     if not any(True for _ in meta.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters to plan")
-    if precision == "bf16-true":
-        meta.to(torch.bfloat16)
+    if precision in TRUE_DTYPES:
+        meta.to(TRUE_DTYPES[precision])
     optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
     check_optimizer(optimizer)
     seq_len = seq_len if seq_len is not None else default_seq_len(meta)
