@@ -10,7 +10,7 @@ from torch import nn
 
 from .base import Strategy
 from .checkpointing import apply_activation_checkpointing
-from .options import MixedPrecision, check_hybrid_shard, shard_group_size
+from .options import MixedPrecision, check_hybrid_shard, check_mixed_precision, shard_group_size
 from .sharding import FULL_SHARD, UnitOptions
 from .wrap import resolve_wrap_policy
 
@@ -42,11 +42,9 @@ class FSDPStrategy(Strategy):
                             ("activation_offload", activation_offload)]:
             if not isinstance(value, bool):
                 raise TypeError(f"FSDPStrategy: {name} must be a bool, got {value!r}")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(f"FSDPStrategy: mixed_precision must be a MixedPrecision or None, got {mixed_precision!r}")
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload, self.activation_offload = cpu_offload, activation_offload
-        self.mixed_precision = mixed_precision or MixedPrecision()
+        self.mixed_precision = check_mixed_precision("FSDPStrategy", mixed_precision)
         self.hybrid_shard = check_hybrid_shard("FSDPStrategy", hybrid_shard)
 
     def model_init_context(self) -> Any:

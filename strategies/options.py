@@ -23,6 +23,13 @@ class MixedPrecision:
                 raise TypeError(f"MixedPrecision: {name} must be a floating torch.dtype or None, got {value!r}")
 
 
+def check_mixed_precision(owner: str, value: MixedPrecision | None) -> MixedPrecision:
+    """`value`, or no mixed precision for None."""
+    if value is not None and not isinstance(value, MixedPrecision):
+        raise TypeError(f"{owner}: mixed_precision must be a MixedPrecision or None, got {value!r}")
+    return value or MixedPrecision()
+
+
 def check_hybrid_shard(owner: str, value: int | str | None) -> int | str | None:
     """None (shard over every rank), "node" (over the ranks of one machine) or a group size G."""
     if value is None or value == "node" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Strategy
-from .options import MixedPrecision, check_hybrid_shard, shard_group_size
+from .options import MixedPrecision, check_hybrid_shard, check_mixed_precision, shard_group_size
 from .sharding import ZERO1, ZERO2, UnitOptions
 
 
@@ -25,13 +25,11 @@ class ZeroStrategy(Strategy):
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroStrategy: stage={stage!r}; choose 1 or 2 (use FSDPStrategy for stage 3)")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(f"ZeroStrategy: mixed_precision must be a MixedPrecision or None, got {mixed_precision!r}")
         super().__init__(compile, compile_options)
         self.stage = stage
         self.spec = ZERO1 if stage == 1 else ZERO2
         self.name = f"zero{stage}"
-        self.mixed_precision = mixed_precision or MixedPrecision()
+        self.mixed_precision = check_mixed_precision("ZeroStrategy", mixed_precision)
         self.hybrid_shard = check_hybrid_shard("ZeroStrategy", hybrid_shard)
 
     def engine_options(self) -> dict[str, Any]:

@@ -226,11 +226,7 @@ class StepRunner:
     def _manual_outputs(self, output: Any, batch_idx: int) -> Any:
         """Manual optimization: the ranks still agree on a signal or data that ran out; global_step counts the
         optimizer steps training_step took (trainer.py counts them)."""
-        t = self.trainer
-        has_next = self._batches.has_next if isinstance(self._batches, Lookahead) else True
-        stop = t.signal_watch.received is not None
-        self.agreed = agree(self.strategy, None, False, stop, has_next, self._where(batch_idx))
-        self._stop_requested = self.agreed.stop
+        self._stop_requested = self._agree(None, batch_idx).stop  # no loss to check
         self._log_step_metrics()
         return output
 

@@ -12,7 +12,6 @@ tensors. Tied parameters appear once, under their first name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -80,8 +79,14 @@ def master_pieces(engine: ShardingEngine) -> list[MasterPiece]:
     return out
 
 
-def _is_elementwise(key: str, value: Any, param: torch.Tensor) -> bool:
-    return isinstance(value, torch.Tensor) and key != "step" and value.shape == param.shape
+def _is_elementwise(key: str, value: Any, shape: torch.Size) -> bool:
+    return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
+
+
+def _parameters_without_elements(engine: ShardingEngine) -> dict[str, torch.Tensor]:
+    """Parameters with no elements, which no rank owns a piece of: written by rank 0, loaded by every rank."""
+    return {name: torch.empty(shape, dtype=unit.dtype) for unit in engine.units
+            for name, shape, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.numels) if numel == 0}
 
 
 # ---- what this rank writes -------------------------------------------------------------------------------
@@ -94,10 +99,7 @@ def model_pieces(engine: ShardingEngine) -> dict[str, Any]:
     for piece in master_pieces(engine):
         out[piece.name] = FlatPieces(piece.shape, piece.data.dtype, [(piece.start, piece.data.detach())])
     if engine.rank == 0:
-        for unit in engine.units:
-            for name, shape, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.numels):
-                if numel == 0:
-                    out[name] = torch.empty(shape, dtype=unit.dtype)
+        out.update(_parameters_without_elements(engine))
         out.update({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in _other_entries(engine).items()})
     return out
 
@@ -117,7 +119,7 @@ def optimizer_pieces(
             shape = unit.layout.shapes[index]
             entries = {}
             for key, value in optimizer.state.get(target, {}).items():
-                if _is_elementwise(key, value, target):
+                if _is_elementwise(key, value, target.shape):
                     flat = value.detach().reshape(-1)
                     flat = flat if sharded else flat[piece.start : piece.end]
                     entries[key] = FlatPieces(shape, value.dtype, [(piece.start, flat)])
@@ -137,19 +139,15 @@ def model_targets(engine: ShardingEngine) -> dict[str, Any]:
     """Where this rank loads each state-dict entry it needs: FlatPieces of its master (sharded optimizer state)
     or of whole parameters (ddp), and the buffers themselves. Filled in place; then `after_parameters_changed`."""
     out: dict[str, Any] = {}
-    for unit in engine.units:
-        if engine.spec.shard_optimizer_state:
-            for piece in unit.pieces:
-                data = unit.master[piece.shard_offset : piece.shard_offset + piece.numel]
-                shape = unit.layout.shapes[piece.param_index]
-                out[unit.param_names[piece.param_index]] = FlatPieces(shape, unit.dtype, [(piece.start, data)])
-        else:
+    if engine.spec.shard_optimizer_state:
+        for piece in master_pieces(engine):
+            out[piece.name] = FlatPieces(piece.shape, piece.data.dtype, [(piece.start, piece.data)])
+    else:
+        for unit in engine.units:
             for name, shape, offset, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.offsets,
                                                   unit.layout.numels):
                 out[name] = FlatPieces(shape, unit.dtype, [(0, unit.full_flat[offset : offset + numel])])
-        for name, shape, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.numels):
-            if numel == 0:
-                out[name] = torch.empty(shape, dtype=unit.dtype)
+    out.update(_parameters_without_elements(engine))
     out.update({k: v.data for k, v in _other_entries(engine).items() if isinstance(v, torch.Tensor)})
     return out
 
@@ -170,7 +168,7 @@ def optimizer_targets(
             start = next(p.start for p in unit.pieces if p.param_index == index) if sharded else 0
             state, fill = {}, {}
             for key, value in saved[name].items():
-                if isinstance(value, torch.Tensor) and key != "step" and value.shape == unit.layout.shapes[index]:
+                if _is_elementwise(key, value, unit.layout.shapes[index]):
                     state[key] = torch.empty(target.shape, dtype=value.dtype, device=target.device)
                     fill[key] = FlatPieces(value.shape, value.dtype, [(start, state[key].view(-1))])
                 elif isinstance(value, torch.Tensor):
@@ -183,26 +181,17 @@ def optimizer_targets(
 
 
 # ---- the whole model ---------------------------------------------------------------------------------------
-def iter_full_state_dict(engine: ShardingEngine, keep: bool) -> Iterator[dict[str, torch.Tensor]]:
-    """The unwrapped model's state-dict entries in full, one unit's parameters at a time (under their first
-    name; tied aliases left out), then the other entries (buffers). Collective: every rank must iterate to the
-    end; where `keep` is False the entries are not copied out and empty dicts are yielded."""
-    for names, views in engine.iter_full_parameters():
-        yield {n: v.detach().cpu().clone() for n, v in zip(names, views)} if keep else {}
-    if keep:
-        yield {
-            key: value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-            for key, value in _other_entries(engine).items()
-        }
-
-
 def full_state_dict(engine: ShardingEngine, keep: bool = True) -> dict[str, torch.Tensor]:
-    """The unwrapped model's state dict, gathered unit by unit (collective; {} where `keep` is False)."""
+    """The unwrapped model's state dict, gathered unit by unit (collective: every rank takes part; {} where `keep`
+    is False, and nothing copied out there)."""
     out: dict[str, torch.Tensor] = {}
-    for part in iter_full_state_dict(engine, keep):
-        out.update(part)
+    for names, views in engine.iter_full_parameters():  # under their first names; tied aliases below
+        if keep:
+            out.update({n: v.detach().cpu().clone() for n, v in zip(names, views)})
     if not keep:
         return {}
+    for key, value in _other_entries(engine).items():  # buffers
+        out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
     for alias, first in parameter_aliases(engine.module).items():
         out[alias] = out[first]
     return {k: out[k] for k in engine.module.state_dict(keep_vars=True)}
