@@ -37,6 +37,9 @@ class Strategy:
     spec: ShardingSpec = ShardingSpec()
 
     def __init__(self, compile: Any = None, compile_options: dict[str, Any] | None = None) -> None:
+        """`compile`: True (the strategy's units: fsdp's wrapped modules; otherwise the whole model, or each child of
+        the TrainModule holding parameters), a set of module classes or a callable (module, name) -> bool; each
+        chosen module's forward is torch.compile'd in place, with `compile_options`."""
         self.engine: ShardingEngine | None = None
         self.root_device = torch.device("cpu")
         self.world_size = 1

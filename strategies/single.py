@@ -1,7 +1,5 @@
 """One process, one device: the engine with nothing to communicate."""
 
-from typing import Any
-
 from .base import Strategy
 from .sharding import REPLICATED
 
@@ -9,8 +7,3 @@ from .sharding import REPLICATED
 class SingleDeviceStrategy(Strategy):
     name = "single"
     spec = REPLICATED
-
-    def __init__(self, compile: Any = None, compile_options: dict[str, Any] | None = None) -> None:
-        """`compile`: True (the whole model, or each child of the TrainModule holding parameters), a set of module
-        classes or a callable (module, name) -> bool; each chosen module's forward is torch.compile'd in place."""
-        super().__init__(compile, compile_options)

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather
 from .engine import ShardingEngine
 
 
@@ -72,9 +71,7 @@ def full_gradients(engine: ShardingEngine) -> dict[str, torch.Tensor]:
             shard = unit.grads.tensors()
             if not shard:  # no gradient since zero_grad (on every rank alike)
                 continue
-            full = torch.empty(unit.layout.padded_total, dtype=shard[0].dtype, device=engine.device)
-            all_gather(full, shard[0].to(engine.device), engine.groups.shard, engine.stats, async_op=False)
-            used = unit.grads.used.tolist()
+            full, used = unit.gather_full(shard[0]), unit.grads.used.tolist()
         else:
             full, used = unit.grads.flat, [p.grad is not None for p in unit.params]
         for name, view, has, trainable in zip(unit.param_names, unit.layout.views(full), used, unit.trainable):

@@ -187,9 +187,13 @@ class ShardUnit:
 
     def gather_full_master(self) -> torch.Tensor:
         """Every rank's master slice gathered into a new full-precision flat tensor (fsdp, mixed precision)."""
-        full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
         with self.naming_failures("all-gather of the full parameters"):
-            all_gather(full, self.master.to(self.device), self.groups.shard, self.stats, async_op=False)
+            return self.gather_full(self.master)
+
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard` (this unit's padded flat layout) gathered into a new flat tensor. Collective."""
+        full = torch.empty(self.layout.padded_total, dtype=shard.dtype, device=self.device)
+        all_gather(full, shard.to(self.device), self.groups.shard, self.stats, async_op=False)
         return full
 
     # ---- backward -----------------------------------------------------------------------------------
