@@ -57,10 +57,11 @@ def local_device_memory(trainer: Trainer) -> int:
 
 
 def choose_strategy(trainer: Trainer, module: Any, train_dataloaders: Any) -> Strategy | None:
-    """strategy="auto" once the module is known. One rank: single; CPU: ddp; unless max_memory_per_rank is
-    given, or on GPUs (their free memory, the least over ranks, with a margin): the least-communicating strategy
-    whose plan fits. None keeps the strategy chosen in the constructor."""
-    if trainer.world_size == 1 or (trainer.max_memory_per_rank is None and trainer.accelerator != "cuda"):
+    """strategy="auto" once the module is known. On CPU without max_memory_per_rank: keep the constructor's choice
+    (ddp, or single for one rank). Otherwise the budget is max_memory_per_rank or, on GPUs, the least free memory
+    over ranks with a margin, and the least-communicating strategy whose plan fits it is chosen (one rank: single,
+    if it fits at all). None keeps the strategy chosen in the constructor."""
+    if trainer.max_memory_per_rank is None and trainer.accelerator != "cuda":
         return None
     if trainer.max_memory_per_rank is not None:
         budget = trainer.max_memory_per_rank
@@ -74,6 +75,9 @@ def choose_strategy(trainer: Trainer, module: Any, train_dataloaders: Any) -> St
         name = plan.choose(budget)
     except ValueError as error:
         raise ValueError(f"strategy='auto' with {why}: {error} (see trainer.plan(module))") from None
+    explanation = plan.explain(name, budget)
+    if trainer.world_size == 1:  # every strategy does one process's work on one rank: no engine needed
+        name, explanation = "single", f"single: one rank, and its plan fits {format_bytes(budget)} ({explanation})"
     if trainer.is_global_zero:
-        print(f"strategy='auto' ({why}) chose {plan.explain(name, budget)}", flush=True)
+        print(f"strategy='auto' ({why}) chose {explanation}", flush=True)
     return get_strategy(name)

@@ -45,12 +45,17 @@ GLOO_CHUNK_BYTES = 16 * 2**20
 GLOO_P2P_CHUNK_BYTES = 4 * 2**20
 
 
+# torch 2.14 renamed the single-tensor collectives (the old names warn there); torch 2.11 has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def describe(backend: str) -> str:
     """How each collective is carried out on `backend` (shown by the benchmarks)."""
     if backend == "gloo":
         return (f"all_gather and reduce_scatter as point-to-point messages in {GLOO_P2P_CHUNK_BYTES // 2**20} MiB "
                 f"chunks; all_reduce as gloo's own in {GLOO_CHUNK_BYTES // 2**20} MiB chunks")
-    return "torch's all_reduce, reduce_scatter_single and all_gather_single"
+    return f"torch's all_reduce, {_reduce_scatter_single.__name__} and {_all_gather_single.__name__}"
 
 
 class Pending:
@@ -69,7 +74,11 @@ class Pending:
 
 
 def _alone(group: Any) -> bool:
-    return not dist.is_initialized() or dist.get_world_size(group) == 1
+    """No collective is needed. On nccl a group of one still runs them (as FSDP2 does), so that one GPU exercises
+    the same streams and kernels as many; gloo's point-to-point path has no peers to talk to then."""
+    if not dist.is_initialized():
+        return True
+    return dist.get_world_size(group) == 1 and _on_gloo(group)
 
 
 def _on_gloo(group: Any) -> bool:
@@ -139,7 +148,7 @@ def reduce_scatter_parts(
     stats.add("reduce_scatter", n * len(parts))
     if not _on_gloo(group):
         full = torch.cat([t.reshape(-1) for rank_parts in parts for t in rank_parts])
-        pending = Pending([dist.reduce_scatter_single(shard, full, group=group, async_op=True)])
+        pending = Pending([_reduce_scatter_single(shard, full, group=group, async_op=True)])
     else:
         pending = _gloo_reduce_scatter(shard, parts, group)
     if not async_op:
@@ -185,7 +194,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommS
         pending = Pending(_exchange(sends, recvs, group, ALL_GATHER_TAG))
     else:
         source = shard.clone() if shard.data_ptr() == own.data_ptr() else shard  # no aliasing for the backend
-        pending = Pending([dist.all_gather_single(full, source, group=group, async_op=True)])
+        pending = Pending([_all_gather_single(full, source, group=group, async_op=True)])
     if not async_op:
         pending.wait()
     return pending

@@ -84,7 +84,7 @@ class ReplicatedGradients:
             if p.grad is None and not self.zeroed[index]:  # last step's values: this step has none here
                 self.views[index].zero_()
                 self.zeroed[index] = True
-        self.flags.copy_(torch.tensor(has_grad, dtype=self.flags.dtype))
+        fill_flags(self.flags, has_grad)
         self._work = all_reduce_sum(self.buffer, self.unit.groups.everyone, self.unit.stats, async_op=True)
         self._launched = True
 
@@ -94,7 +94,8 @@ class ReplicatedGradients:
         with self.unit.naming_failures("gradient reduction"):
             wait(self._work)
         self._work, self._launched = None, False
-        self.buffer.div_(self.unit.groups.data_parallel_size)
+        if self.unit.groups.data_parallel_size > 1:
+            self.buffer.div_(self.unit.groups.data_parallel_size)
         self.used = (self.flags > 0).tolist()
         self.zeroed = [not used for used in self.used]  # every region now holds the average of all ranks
         self.own = self._own_view()  # (a copy in the master's dtype under mixed precision)
@@ -145,6 +146,10 @@ class ShardedGradients:
         self.unit = unit
         self.shard: torch.Tensor | None = None  # this rank's slice, made by the first reduction after zero
         self.used = torch.zeros(len(unit.params), dtype=torch.bool)  # since zero, by any rank
+        # Reduced but not yet folded in: "used" flags still on the device (read at the end of backward, one wait
+        # for all units instead of one per unit), and offloaded outputs on their way to pinned host memory.
+        self._used_on_device: list[torch.Tensor] = []
+        self._arriving: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._work: Work = None
         self._output: torch.Tensor | None = None
         self._across_groups = False  # hybrid: the reduce-scatter is done, the all-reduce across groups in flight
@@ -161,7 +166,8 @@ class ShardedGradients:
         to it: pieces of the parameters' `.grad` (in the reduce dtype), zeros where a parameter has none."""
         unit = self.unit
         dtype, device = unit.reduce_dtype, unit.device
-        flags = torch.tensor([p.grad is not None for p in unit.params], dtype=dtype, device=device)
+        flags = fill_flags(torch.empty(len(unit.params), dtype=dtype, device=device),
+                           [p.grad is not None for p in unit.params])
         parts = []
         for pieces in unit.pieces_by_rank:
             rank_parts = []
@@ -217,18 +223,40 @@ class ShardedGradients:
                 wait(self._work)
         else:
             self._wait_reduce_scatter()
-        size = unit.layout.shard_size
-        reduced = self._output.to(unit.shard_device, unit.master.dtype)  # read at once: no non_blocking
-        self.used |= reduced[size:].cpu() > 0
-        if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
-            self.shard = reduced[:size].mul_(1.0 / unit.groups.data_parallel_size)
+        reduced = self._output.to(unit.master.dtype)
+        if unit.shard_device != reduced.device:  # cpu_offload: copied to pinned memory while the GPU goes on
+            host = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
+            host.copy_(reduced, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record()
+            self._arriving.append((host, arrived))
         else:
-            self.shard.add_(reduced[:size], alpha=1.0 / unit.groups.data_parallel_size)
+            self._add(reduced)
         self._work = self._output = None
         self._across_groups = False
 
+    def _add(self, reduced: torch.Tensor) -> None:
+        """Fold one averaged reduction (this rank's slice, then the used flags) into the gradient shard."""
+        size, scale = self.unit.layout.shard_size, 1.0 / self.unit.groups.data_parallel_size
+        self._used_on_device.append(reduced[size:] > 0)
+        if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
+            self.shard = reduced[:size].mul_(scale) if scale != 1.0 else reduced[:size]
+        else:
+            self.shard.add_(reduced[:size], alpha=scale)
+
+    def _settle(self) -> None:
+        """Wait for what is still arriving and read the used flags (called before either is looked at)."""
+        for host, arrived in self._arriving:
+            arrived.synchronize()
+            self._add(host)
+        self._arriving.clear()
+        for flags in self._used_on_device:
+            self.used |= flags.cpu()
+        self._used_on_device.clear()
+
     def attach(self) -> None:
         """Point each trainable shard parameter's `.grad` at its slice (None where no rank had a gradient)."""
+        self._settle()
         used = self.used.tolist()
         for piece in self.unit.pieces:
             shard = self.unit.shard_params[piece.param_index]
@@ -237,6 +265,7 @@ class ShardedGradients:
                 shard.grad = self.shard[piece.shard_offset : piece.shard_offset + piece.numel] if has else None
 
     def zero(self, indices: list[int], set_to_none: bool = True) -> None:
+        self._settle()
         if set_to_none:
             self.used[indices] = False
         if self.shard is not None:
@@ -249,6 +278,7 @@ class ShardedGradients:
         self.attach()
 
     def tensors(self, indices: list[int] | None = None) -> list[torch.Tensor]:
+        self._settle()
         if self.shard is None:
             return []
         return [self.shard] if indices is None else _piece_parts(self.shard, self.unit.pieces, indices)
@@ -256,6 +286,7 @@ class ShardedGradients:
     def show(self) -> None:
         """Give each parameter that has a gradient a `.grad` placeholder saying where the gradient is (this rank
         holds only its shard), instead of None, while the user's hooks run."""
+        self._settle()
         used = self.used.tolist()
         for index, p in enumerate(self.unit.params):
             if self.unit.trainable[index] and used[index]:
@@ -266,6 +297,17 @@ class ShardedGradients:
     def hide(self) -> None:
         for p in self.unit.params:
             p.grad = None
+
+
+def fill_flags(flags: torch.Tensor, values: list[bool]) -> torch.Tensor:
+    """Write 1/0 flags into a device tensor without a host-to-device copy (which would wait for the GPU)."""
+    if all(values):
+        return flags.fill_(1)
+    flags.zero_()
+    for index, value in enumerate(values):
+        if value:
+            flags[index] = 1
+    return flags
 
 
 def _piece_parts(shard: torch.Tensor, pieces: list, indices: list[int]) -> list[torch.Tensor]:

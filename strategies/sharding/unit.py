@@ -81,11 +81,18 @@ class ShardUnit:
         lo, hi = self.layout.shard_range(self.rank)
         self.master_is_in_full_flat = not self.spec.shard_parameters and self.compute_dtype == self.dtype
         if self.spec.shard_optimizer_state:
-            self.master = full[lo:hi] if self.master_is_in_full_flat else full[lo:hi].clone().to(self.shard_device)
+            self.master = full[lo:hi] if self.master_is_in_full_flat else self._master_copy(full[lo:hi])
         self.full_flat = full.to(self.compute_dtype)
         self._full_views = self.layout.views(self.full_flat)  # made once: they outlive the storage's resizes
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
         self._point_params_at(self._full_views)
+
+    def _master_copy(self, shard: torch.Tensor) -> torch.Tensor:
+        """The master slice on its own: offloaded from a GPU it is in pinned host memory, so that gathering it
+        (`unshard`) is a copy that does not wait for the host."""
+        pinned = self.shard_device.type == "cpu" and self.device.type == "cuda"
+        master = torch.empty(shard.shape, dtype=shard.dtype, device=self.shard_device, pin_memory=pinned)
+        return master.copy_(shard)
 
     def _point_params_at(self, views: list[torch.Tensor]) -> None:
         for view, p in zip(views, self.params):
@@ -121,7 +128,8 @@ class ShardUnit:
                 self.wait_unshard()
             return
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
-        source = self.master.to(self.device, self.compute_dtype, non_blocking=True)
+        # Moved first, then cast on the device: a cast on the host would copy from unpinned memory, and wait.
+        source = self.master.to(self.device, non_blocking=True).to(self.compute_dtype)
         self._gather_work = all_gather(self.full_flat, source, self.groups.shard, self.stats, async_op=True)
         self.state = ParamState.UNSHARDING
         if not async_op:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.utils._pytree import tree_map
 
@@ -163,7 +163,7 @@ class _Finish:
 
     def __call__(self, metadata: Any) -> None:
         mine: dict[str, list[tuple[int, int]]] = {}
-        for info in metadata.storage_data.values():
+        for info in _storage_data(metadata, self.staging).values():
             if info.relative_path.startswith(f"__{self.rank}_"):
                 mine.setdefault(info.relative_path, []).append((info.offset, info.length))
         try:
@@ -216,6 +216,14 @@ class _Finish:
 # (the default group it was made for, the checkpoint group), held weakly: torch.distributed holds both until
 # destroy_process_group, and a group kept past that runs gloo's worker threads into interpreter shutdown
 _GROUP: list[Any] = [lambda: None, lambda: None]
+
+
+def _storage_data(metadata: Any, staging: str) -> dict[Any, Any]:
+    """Where each item was written. torch 2.11's writer records it on a copy of the metadata that dcp.save returns
+    (newer releases on the returned one), so it is then read from the .metadata file the save wrote."""
+    if metadata.storage_data is not None:
+        return metadata.storage_data
+    return FileSystemReader(staging).read_metadata().storage_data
 
 
 def _checkpoint_group() -> Any:

@@ -1,0 +1,177 @@
+"""The GPU check's speed parts, all variants in one process, interleaved round by round:
+
+- GPT-2 small's shape (12 layers, 768 wide, 1024 tokens, vocabulary 50,304), batch 8, bf16 autocast, AdamW(fused):
+  plain torch, torch's fully_shard per Block, this project's ddp, zero2 and fsdp; then plain torch with each Block
+  compiled and fsdp with compile={Block}. Median step (CUDA events), tokens/s, MFU, max_memory_allocated.
+- 48 blocks of width 64, where GPU work is negligible: the framework's own cost per step and per unit.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from examples.gpt import GPT, Block, GPTConfig
+from strategies import FSDPStrategy, get_strategy
+
+from .common import Settings, lm_loss, new_gpt, report, token_batches
+
+BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s by the vendors' datasheets
+Step = Callable[[], None]
+
+
+def gpu_peak() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in BF16_PEAK.items() if key in name), None)
+
+
+def flops_per_step(config: GPTConfig, params: int, tokens: int) -> float:
+    """nanoGPT's estimate: 6 N per token for the weights, 12 L d T for attention (forward and backward)."""
+    return tokens * (6 * params + 12 * config.n_layer * config.n_embd * config.block_size)
+
+
+# ---------------------------------------------------------------------------------------------- variants
+
+
+def build_variant(name: str, config: GPTConfig, settings: Settings) -> tuple[Any, torch.optim.Optimizer]:
+    """(model, optimizer) of one variant, from the same seed."""
+    device = settings.torch_device
+    model = new_gpt(config)
+    compiled = name.endswith("+compile")
+    base = name.removesuffix("+compile")
+    fused = settings.device == "cuda"
+    if base == "torch":
+        model = model.to(device)
+        if compiled:
+            for block in (m for m in model.modules() if isinstance(m, Block)):
+                block.forward = torch.compile(block.forward)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    if base == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(device)
+        for block in model.h:
+            fully_shard(block)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    if base == "fsdp":
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, compile={Block} if compiled else None)
+    else:
+        strategy = get_strategy(base)
+    model = strategy.setup_module(model)
+    optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused))
+    return model, optimizer
+
+
+def make_step(model: Any, optimizer: torch.optim.Optimizer, batch: tuple, settings: Settings) -> Step:
+    x, y = (t.to(settings.torch_device) for t in batch)
+    autocast = settings.device == "cuda"
+
+    def step() -> None:
+        with torch.autocast(settings.device, dtype=torch.bfloat16, enabled=autocast):
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed_steps(step: Step, count: int, settings: Settings) -> list[float]:
+    """Seconds per step: CUDA events on the GPU (the device's timeline, launch gaps included)."""
+    if settings.device != "cuda":
+        import time
+
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1000 for start, end in events]
+
+
+def run_interleaved(variants: list[str], config: GPTConfig, batch: tuple, settings: Settings, rounds: int,
+                    steps: int, warmup: int) -> dict[str, dict[str, Any]]:
+    """Each round runs every variant's `steps` (rotating which goes first). Variants are built in round one;
+    a variant's memory is its peak over that first run less what was allocated before it was built."""
+    built: dict[str, Step] = {}
+    results: dict[str, dict[str, Any]] = {name: {"times": []} for name in variants}
+    for r in range(rounds):
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for name in order:
+            if name not in built:
+                before = _allocated(settings)
+                model, optimizer = build_variant(name, config, settings)
+                built[name] = make_step(model, optimizer, batch, settings)
+                _reset_peak(settings)
+                timed_steps(built[name], warmup, settings)
+                results[name]["memory"] = _peak(settings) - before
+            results[name]["times"] += timed_steps(built[name], steps, settings)
+    return results
+
+
+def _allocated(settings: Settings) -> int:
+    if settings.device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def _reset_peak(settings: Settings) -> None:
+    if settings.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(settings: Settings) -> int:
+    return torch.cuda.max_memory_allocated() if settings.device == "cuda" else 0
+
+
+# ------------------------------------------------------------------------------------------------ parts
+
+
+def part_speed(settings: Settings) -> None:
+    if settings.tiny:
+        config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
+        batch_size, rounds, steps, warmup = 2, 2, 2, 1
+    else:
+        config = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+        batch_size, rounds, steps, warmup = 8, 3, 10, 3
+    batch = token_batches(config, 1, batch_size)[0]
+    params = GPT.count_parameters(config)
+    peak, tokens = gpu_peak(), batch_size * config.block_size
+    groups = [["torch", "fully_shard", "ddp", "zero2", "fsdp"], ["torch+compile", "fsdp+compile"]]
+    for variants in groups:
+        results = run_interleaved(variants, config, batch, settings, rounds, steps, warmup)
+        for name in variants:
+            median = statistics.median(results[name]["times"])
+            mfu = flops_per_step(config, params, tokens) / median / peak if peak else None
+            report("speed", table="gpt2", variant=name, step_ms=median * 1e3, tokens_per_s=tokens / median,
+                   mfu=mfu, memory_mib=results[name]["memory"] / 2**20, steps=len(results[name]["times"]))
+
+
+def part_overhead(settings: Settings) -> None:
+    """48 blocks of width 64: GPU work is tiny, so a step's time is mostly the framework's own (hooks, launches,
+    collectives). Microseconds per unit over plain torch, beside fully_shard's."""
+    layers = 4 if settings.tiny else 48
+    config = GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=4, n_embd=64)
+    batch = token_batches(config, 1, 2)[0]
+    rounds, steps, warmup = (2, 2, 1) if settings.tiny else (3, 20, 5)
+    variants = ["torch", "fully_shard", "ddp", "zero2", "fsdp"]
+    results = run_interleaved(variants, config, batch, settings, rounds, steps, warmup)
+    plain = statistics.median(results["torch"]["times"])
+    for name in variants:
+        median = statistics.median(results[name]["times"])
+        report("speed", table="overhead", variant=name, step_ms=median * 1e3, units=layers + 1,
+               us_per_unit=(median - plain) / (layers + 1) * 1e6)
