@@ -26,6 +26,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from strategies.sharding.collectives import ONE_RANK_COLLECTIVES  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Part:
@@ -35,10 +37,13 @@ class Part:
     checks: int  # how many checks it reports on CUDA (one fewer where noted for CPU)
     speed: bool = False  # runs alone, after the correctness parts
     cpu_checks: int | None = None
+    # Correctness parts run the collectives even on one rank (as many GPUs do; collectives.py), unless "0".
+    one_rank_collectives: str = "1"
 
 
 PARTS: dict[str, Part] = {
     "strategies": Part("correctness", "part_strategies", 180, 10),
+    "strategies_alone": Part("correctness", "part_strategies", 180, 10, one_rank_collectives="0"),
     "precision": Part("correctness", "part_precision", 180, 7),
     "offload": Part("correctness", "part_offload", 150, 3, cpu_checks=2),
     "activations": Part("correctness", "part_activations", 150, 2),
@@ -83,6 +88,8 @@ def launch(name: str, args: argparse.Namespace) -> Outcome:
     command = [sys.executable, os.path.abspath(__file__), "--run-part", name, "--device", args.device]
     command += ["--tiny"] if args.tiny else []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not PARTS[name].speed:
+        env[ONE_RANK_COLLECTIVES] = PARTS[name].one_rank_collectives
     started = time.monotonic()
     timeout = min(PARTS[name].timeout_s * args.timeout_scale, args.deadline - started)
     if timeout < 10:
@@ -157,6 +164,8 @@ def print_speed(outcomes: list[Outcome]) -> None:
         print(f"{'variant':15} {'step ms':>9} {'us per unit over torch':>23}")
         for r in overhead:
             print(f"{r['variant']:15} {r['step_ms']:9.3f} {r['us_per_unit']:23.1f}")
+    for r in (r for o in outcomes for r in o.rows if r["kind"] == "note"):
+        print(f"\n{r['text']}")
     for r in (r for o in outcomes for r in o.rows if r["kind"] == "trace"):
         print(f"\nTrace {r['variant']}: streams (kernel us) {r['streams']}; collectives {r['comm_events']} events "
               f"on {r['comm_streams']}, {r['overlap_us']:.0f} of {r['comm_us']:.0f} us overlapping compute; "

@@ -19,6 +19,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from examples.gpt import GPT, Block, GPTConfig  # noqa: E402
+from strategies.sharding.collectives import ONE_RANK_COLLECTIVES  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
 
 RESULT_PREFIX = "@gpu-check "
@@ -42,6 +43,8 @@ def report(kind: str, **fields: Any) -> None:
 
 
 def check(name: str, ok: bool, detail: str) -> bool:
+    if os.environ.get(ONE_RANK_COLLECTIVES) == "0":
+        name += " [one rank: no collectives]"
     report("check", name=name, ok=bool(ok), detail=detail)
     return bool(ok)
 
@@ -225,5 +228,6 @@ def nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def unit_bytes(module: nn.Module) -> int:
-    return nbytes(module.parameters())
+def largest_unit_bytes(strategy: Any) -> int:
+    """Full bytes of the largest unit's own parameters (a unit's module may contain other units)."""
+    return max(sum(p.numel() * p.element_size() for p in unit.params) for unit in strategy.engine.units)

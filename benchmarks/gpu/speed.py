@@ -4,18 +4,24 @@
   plain torch, torch's fully_shard per Block, this project's ddp, zero2 and fsdp; then plain torch with each Block
   compiled and fsdp with compile={Block}. Median step (CUDA events), tokens/s, MFU, max_memory_allocated.
 - 48 blocks of width 64, where GPU work is negligible: the framework's own cost per step and per unit.
+
+A variant name ending in "@nccl" runs with one-rank collectives (collectives.py): the path of many GPUs, each
+unit all-gathered and reduce-scattered through nccl, which fully_shard takes on one GPU too.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from examples.gpt import GPT, Block, GPTConfig
 from strategies import FSDPStrategy, get_strategy
+from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 
 from .common import Settings, lm_loss, new_gpt, report, token_batches
 
@@ -38,8 +44,23 @@ def flops_per_step(config: GPTConfig, params: int, tokens: int) -> float:
 # ---------------------------------------------------------------------------------------------- variants
 
 
+@contextmanager
+def collectives_of(variant: str):
+    """One-rank collectives on for an "@nccl" variant, off otherwise (read when units are built and at each call)."""
+    previous = os.environ.get(ONE_RANK_COLLECTIVES)
+    os.environ[ONE_RANK_COLLECTIVES] = "1" if variant.endswith("@nccl") else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ONE_RANK_COLLECTIVES)
+        else:
+            os.environ[ONE_RANK_COLLECTIVES] = previous
+
+
 def build_variant(name: str, config: GPTConfig, settings: Settings) -> tuple[Any, torch.optim.Optimizer]:
     """(model, optimizer) of one variant, from the same seed."""
+    name = name.removesuffix("@nccl")
     device = settings.torch_device
     model = new_gpt(config)
     compiled = name.endswith("+compile")
@@ -111,14 +132,15 @@ def run_interleaved(variants: list[str], config: GPTConfig, batch: tuple, settin
     for r in range(rounds):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for name in order:
-            if name not in built:
-                before = _allocated(settings)
-                model, optimizer = build_variant(name, config, settings)
-                built[name] = make_step(model, optimizer, batch, settings)
-                _reset_peak(settings)
-                timed_steps(built[name], warmup, settings)
-                results[name]["memory"] = _peak(settings) - before
-            results[name]["times"] += timed_steps(built[name], steps, settings)
+            with collectives_of(name):
+                if name not in built:
+                    before = _allocated(settings)
+                    model, optimizer = build_variant(name, config, settings)
+                    built[name] = make_step(model, optimizer, batch, settings)
+                    _reset_peak(settings)
+                    timed_steps(built[name], warmup, settings)
+                    results[name]["memory"] = _peak(settings) - before
+                results[name]["times"] += timed_steps(built[name], steps, settings)
     return results
 
 
@@ -151,7 +173,7 @@ def part_speed(settings: Settings) -> None:
     batch = token_batches(config, 1, batch_size)[0]
     params = GPT.count_parameters(config)
     peak, tokens = gpu_peak(), batch_size * config.block_size
-    groups = [["torch", "fully_shard", "ddp", "zero2", "fsdp"], ["torch+compile", "fsdp+compile"]]
+    groups = [["torch", "fully_shard", "ddp", "zero2", "fsdp", "fsdp@nccl"], ["torch+compile", "fsdp+compile"]]
     for variants in groups:
         results = run_interleaved(variants, config, batch, settings, rounds, steps, warmup)
         for name in variants:
@@ -159,6 +181,16 @@ def part_speed(settings: Settings) -> None:
             mfu = flops_per_step(config, params, tokens) / median / peak if peak else None
             report("speed", table="gpt2", variant=name, step_ms=median * 1e3, tokens_per_s=tokens / median,
                    mfu=mfu, memory_mib=results[name]["memory"] / 2**20, steps=len(results[name]["times"]))
+    _report_compilation()
+
+
+def _report_compilation() -> None:
+    """How many graphs dynamo made and where it broke them (a compiled unit that falls back to eager shows here)."""
+    from torch._dynamo.utils import counters
+
+    stats = dict(counters["stats"])
+    breaks = dict(sorted(counters["graph_break"].items(), key=lambda kv: -kv[1])[:3])
+    report("note", text=f"dynamo: {stats}; graph breaks: {breaks or 'none'}")
 
 
 def part_overhead(settings: Settings) -> None:
@@ -168,7 +200,7 @@ def part_overhead(settings: Settings) -> None:
     config = GPTConfig(vocab_size=256, block_size=64, n_layer=layers, n_head=4, n_embd=64)
     batch = token_batches(config, 1, 2)[0]
     rounds, steps, warmup = (2, 2, 1) if settings.tiny else (3, 20, 5)
-    variants = ["torch", "fully_shard", "ddp", "zero2", "fsdp"]
+    variants = ["torch", "fully_shard", "ddp", "zero2", "fsdp", "ddp@nccl", "zero2@nccl", "fsdp@nccl"]
     results = run_interleaved(variants, config, batch, settings, rounds, steps, warmup)
     plain = statistics.median(results["torch"]["times"])
     for name in variants:

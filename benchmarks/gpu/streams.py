@@ -16,7 +16,7 @@ import torch
 from examples.gpt import GPTConfig
 
 from .common import Settings, check, guarded, report, token_batches
-from .speed import build_variant, make_step
+from .speed import build_variant, collectives_of, make_step
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -25,28 +25,31 @@ def part_streams(settings: Settings) -> None:
     if settings.tiny:
         config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
         batch_size = 2
-    else:
-        config = GPTConfig(vocab_size=8192, block_size=512, n_layer=6, n_head=8, n_embd=1024)
-        batch_size = 4
+    else:  # blocks whose compute (~5 ms each) outlasts the host's work on them, so the GPU has work queued
+        config = GPTConfig(vocab_size=8192, block_size=1024, n_layer=4, n_head=16, n_embd=2048)
+        batch_size = 8
     batch = token_batches(config, 1, batch_size)[0]
-    for variant in ("fsdp", "fully_shard"):
-        guarded(f"{variant}: collectives on their own stream, overlapping compute", _trace, settings, variant,
+    for variant in ("fsdp@nccl", "fully_shard"):
+        label = f"{variant.removesuffix('@nccl')}: collectives on their own stream, overlapping compute"
+        guarded(label, _trace, settings, variant,
                 config, batch)
 
 
 def _trace(settings: Settings, variant: str, config: GPTConfig, batch: tuple) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    model, optimizer = build_variant(variant, config, settings)
-    step = make_step(model, optimizer, batch, settings)
-    for _ in range(3):
-        step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if settings.device == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(2):
+    with collectives_of(variant):
+        model, optimizer = build_variant(variant, config, settings)
+        step = make_step(model, optimizer, batch, settings)
+        for _ in range(3):
             step()
-        if settings.device == "cuda":
-            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if settings.device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for _ in range(2):
+                step()
+            if settings.device == "cuda":
+                torch.cuda.synchronize()
+    variant = variant.removesuffix("@nccl")
     folder = tempfile.mkdtemp()
     path = os.path.join(folder, f"trace_{variant}.json")
     prof.export_chrome_trace(path)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -73,12 +75,21 @@ class Pending:
             self.then = None
 
 
+# One rank has nothing to communicate, so it skips the collectives (and fsdp keeps its parameters in place, as
+# unit.py says). With this variable set to 1, one rank on nccl runs the collectives and the sharded path anyway,
+# as FSDP2 does: to profile on one GPU what many GPUs do (gloo's point-to-point path needs a peer, so not there).
+ONE_RANK_COLLECTIVES = "SHARDTRAIN_ONE_RANK_COLLECTIVES"
+
+
+def one_rank_collectives() -> bool:
+    return os.environ.get(ONE_RANK_COLLECTIVES, "0") == "1"
+
+
 def _alone(group: Any) -> bool:
-    """No collective is needed. On nccl a group of one still runs them (as FSDP2 does), so that one GPU exercises
-    the same streams and kernels as many; gloo's point-to-point path has no peers to talk to then."""
+    """No collective is needed: no process group, or a group of one (see ONE_RANK_COLLECTIVES)."""
     if not dist.is_initialized():
         return True
-    return dist.get_world_size(group) == 1 and _on_gloo(group)
+    return dist.get_world_size(group) == 1 and not (one_rank_collectives() and not _on_gloo(group))
 
 
 def _on_gloo(group: Any) -> bool:

@@ -328,7 +328,7 @@ class ShardingEngine:
         if self.in_backward:
             raise RuntimeError("strategy.unsharded() cannot be used during backward")
         wanted = {id(p) for p in (module or self.module).parameters()}
-        units = [u for u in self.units if any(id(p) in wanted for p in u.params)]
+        units = [u for u in self.units if any(id(p) in wanted for p in u.params) and not u.full_between_uses]
         for unit in self.units:
             unit.reshard()
         fulls = [unit.gather_full_master() for unit in units]
