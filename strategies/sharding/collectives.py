@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -85,15 +86,28 @@ def one_rank_collectives() -> bool:
     return os.environ.get(ONE_RANK_COLLECTIVES, "0") == "1"
 
 
+# (size, on gloo) of each live group: asking torch.distributed costs tens of microseconds, per collective.
+_GROUP_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _facts(group: Any) -> tuple[int, bool]:
+    group = dist.group.WORLD if group is None else group
+    facts = _GROUP_FACTS.get(group)
+    if facts is None:
+        facts = _GROUP_FACTS[group] = (dist.get_world_size(group), dist.get_backend(group) == "gloo")
+    return facts
+
+
 def _alone(group: Any) -> bool:
     """No collective is needed: no process group, or a group of one (see ONE_RANK_COLLECTIVES)."""
     if not dist.is_initialized():
         return True
-    return dist.get_world_size(group) == 1 and not (one_rank_collectives() and not _on_gloo(group))
+    size, on_gloo = _facts(group)
+    return size == 1 and not (one_rank_collectives() and not on_gloo)
 
 
 def _on_gloo(group: Any) -> bool:
-    return dist.get_backend(group) == "gloo"
+    return _facts(group)[1]
 
 
 def _chunks(numel: int, element_size: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:

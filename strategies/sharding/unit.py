@@ -103,6 +103,13 @@ class ShardUnit:
     def _point_params_at(self, views: list[torch.Tensor]) -> None:
         for view, p in zip(views, self.params):
             p.data = view
+        self._at_full_views = views is self._full_views
+
+    def _point_params_at_full_views(self) -> None:
+        """The views share the flat buffer's storage object, which `resize_` keeps, so parameters pointed at them
+        once stay valid through every reshard and unshard; they are pointed again only after `show_full`."""
+        if not self._at_full_views:
+            self._point_params_at(self._full_views)
 
     def _build_optimizer_shard(self) -> None:
         """This rank's pieces of the parameters (views of the master), as the optimizer sees them."""
@@ -146,7 +153,7 @@ class ShardUnit:
             with self.naming_failures("all-gather of the parameters"):
                 wait(self._gather_work)
             self._gather_work = None
-            self._point_params_at(self._full_views)
+            self._point_params_at_full_views()
             for p in self.params:
                 mark_unsharded(p)
             self.state = ParamState.UNSHARDED
@@ -162,7 +169,7 @@ class ShardUnit:
         self.state = ParamState.SHARDED
 
     def _mark_sharded(self) -> None:
-        self._point_params_at(self._full_views)
+        self._point_params_at_full_views()
         for name, p in zip(self.param_names, self.params):
             mark_sharded(p, name, self.name, self.world_size)
 
