@@ -150,12 +150,13 @@ def print_speed(outcomes: list[Outcome]) -> None:
     if gpt2:
         base = {r["variant"]: r["step_ms"] for r in gpt2}
         print("\nSpeed: GPT-2 small shape, batch 8 x 1024 tokens, bf16 autocast, AdamW(fused), one GPU")
-        print(f"{'variant':15} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} {'memory MiB':>11} {'vs torch':>9}")
+        print(f"{'variant':15} {'step ms':>9} {'fastest':>8} {'tokens/s':>10} {'MFU':>6} {'memory MiB':>11} "
+              f"{'vs torch':>9}")
         for r in gpt2:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
             versus = r["step_ms"] / base["torch"] if "torch" in base else float("nan")
-            print(f"{r['variant']:15} {r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} {mfu:>6} "
-                  f"{r['memory_mib']:11.0f} {versus:9.3f}")
+            print(f"{r['variant']:15} {r['step_ms']:9.2f} {r.get('fastest_ms', float('nan')):8.2f} "
+                  f"{r['tokens_per_s']:10.0f} {mfu:>6} {r['memory_mib']:11.0f} {versus:9.3f}")
         if "torch+compile" in base and "fsdp+compile" in base and "torch" in base:
             print(f"compiled fsdp vs eager plain torch: {base['torch'] / base['fsdp+compile']:.2f}x faster")
     overhead = [r for r in rows if r["table"] == "overhead"]

@@ -132,9 +132,13 @@ class Strategy:
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, **self.engine_options())
         if self.compile is not None:
-            units = [u.module for u in self.engine.units if u.module is not None and u.module is not module]
-            compile_in_place(modules_to_compile(module, self.compile, units), self.compile_options)
+            compile_in_place(modules_to_compile(module, self.compile, self._units_to_compile(module)),
+                             self.compile_options)
         return module
+
+    def _units_to_compile(self, module: nn.Module) -> list[nn.Module]:
+        """What compile=True compiles: the engine's units that are modules (fsdp's wrapped modules)."""
+        return [u.module for u in self.engine.units if u.module is not None and u.module is not module]
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The same optimizer, stepping this rank's shards; its step() and zero_grad() drive the engine."""

@@ -12,6 +12,7 @@ from .base import Strategy
 from .checkpointing import apply_activation_checkpointing
 from .options import MixedPrecision, check_hybrid_shard, check_mixed_precision, shard_group_size
 from .sharding import FULL_SHARD, UnitOptions
+from .sharding.units import policy_modules
 from .wrap import resolve_wrap_policy
 
 
@@ -67,6 +68,10 @@ class FSDPStrategy(Strategy):
     def _offload_activations(self) -> Any:
         """Activations saved for backward go to CPU memory (pinned when a GPU is used) and come back in backward."""
         return torch.autograd.graph.save_on_cpu(pin_memory=self.root_device.type == "cuda")
+
+    def _units_to_compile(self, module: nn.Module) -> list[nn.Module]:
+        """The modules the wrap policy chooses (on one rank the engine keeps no units of its own: engine.py)."""
+        return [m for _, m in policy_modules(module, self.auto_wrap_policy) if any(True for _ in m.parameters())]
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         if self.activation_checkpointing is not None:

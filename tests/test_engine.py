@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from strategies import FSDPStrategy, mark_as_unit
-from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, gradient_access
+from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions, gradient_access
+from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 from strategies.sharding.layout import FlatLayout
 from strategies.wrap import resolve_wrap_policy
 from tests.test_parity import (
@@ -255,7 +256,13 @@ def unit_names(model: nn.Module, policy) -> dict[str, list[str]]:
     return {u.name: u.param_names for u in engine.units}
 
 
-def test_wrap_policies_choose_units():
+@pytest.fixture
+def as_on_many_ranks(monkeypatch):
+    """One rank keeps fsdp's parameters in place (no units); with one-rank collectives it forms units as many do."""
+    monkeypatch.setenv(ONE_RANK_COLLECTIVES, "1")
+
+
+def test_wrap_policies_choose_units(as_on_many_ranks):
     by_class = unit_names(new_model(), {Block})
     assert set(by_class) == {"blocks.0", "blocks.1", ""}
     assert by_class["blocks.1"] == ["blocks.1.l1.weight", "blocks.1.l1.bias", "blocks.1.l2.weight", "blocks.1.l2.bias"]
@@ -269,13 +276,28 @@ def test_wrap_policies_choose_units():
         FSDPStrategy(auto_wrap_policy="blocks")
 
 
+def test_fsdp_on_one_rank_keeps_its_parameters_in_place_unless_units_are_needed(monkeypatch):
+    """One rank's shard is the whole unit: fsdp then runs as zero2 (no gathering, no placeholders, no module hooks),
+    except where its units do work of their own: mixed precision, offloading, activation offloading, or one-rank
+    collectives asked for to profile the many-rank path."""
+    engine = ShardingEngine(new_model(), FULL_SHARD, wrap_policy=resolve_wrap_policy({Block}))
+    assert engine.spec == ZERO2
+    assert all(type(p) is nn.Parameter for p in engine.module.parameters())
+    assert not engine.module.blocks[0]._forward_pre_hooks
+    for options in (UnitOptions(param_dtype=torch.bfloat16), UnitOptions(offload_to_cpu=True)):
+        kept = ShardingEngine(new_model(), FULL_SHARD, wrap_policy=resolve_wrap_policy({Block}), unit_options=options)
+        assert kept.spec == FULL_SHARD and {u.name for u in kept.units} >= {"blocks.0", "blocks.1"}
+    monkeypatch.setenv(ONE_RANK_COLLECTIVES, "1")
+    assert ShardingEngine(new_model(), FULL_SHARD).spec == FULL_SHARD
+
+
 class HandWrapped(TiedLM):
     def configure_model(self) -> None:
         mark_as_unit(self.blocks[0])
         mark_as_unit(self.frozen)
 
 
-def test_mark_as_unit_in_configure_model():
+def test_mark_as_unit_in_configure_model(as_on_many_ranks):
     trainer = fit(new_model(HandWrapped), "fsdp", 1, PER_RANK_BATCH, steps=1)
     units = {u.name: u.param_names for u in trainer.strategy.engine.units}
     assert set(units) == {"blocks.0", "frozen", ""}
@@ -313,7 +335,7 @@ class NestedTied(TiedLM):
         return self.head(self.stage(self.emb(x)))
 
 
-def test_tied_parameter_lands_in_the_common_ancestor_unit():
+def test_tied_parameter_lands_in_the_common_ancestor_unit(as_on_many_ranks):
     units = unit_names(new_model(NestedTied), {Stage, Leaf})
     assert units["stage"] == ["stage.a.lin.weight"]
     assert units["stage.a"] == ["stage.a.lin.bias"] and units["stage.b"] == ["stage.b.lin.bias"]

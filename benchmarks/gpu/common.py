@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from examples.gpt import GPT, Block, GPTConfig  # noqa: E402
@@ -53,11 +53,9 @@ def guarded(name: str, fn: Any, *args: Any) -> None:
     """Run one check's body; an exception is that check's failure (the part goes on with the next)."""
     try:
         fn(*args)
-    except Exception as error:  # noqa: BLE001: every failure is reported, with its type
+    except Exception as error:  # every failure is reported, with its type
         message = f"{type(error).__name__}: {error}".replace("\n", " ")
         check(name, False, message[:400])
-        import traceback
-
         traceback.print_exc()
 
 

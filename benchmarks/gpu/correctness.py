@@ -23,6 +23,7 @@ from .common import (
     curve_difference,
     fit,
     guarded,
+    largest_unit_bytes,
     lm_loss,
     make_optimizer,
     max_relative_difference,
@@ -30,7 +31,6 @@ from .common import (
     plain_run,
     small_config,
     token_batches,
-    largest_unit_bytes,
     without_prefix,
     wrap_blocks,
 )
@@ -174,7 +174,7 @@ def _peak_of_step(settings: Settings, strategy: Any, batch: tuple) -> tuple[int,
 def _offload_memory(settings: Settings) -> None:
     config = small_config(settings)
     batch = token_batches(config, 1, _batch_size(settings))[0]
-    # Activations: plain torch's peak over a forward and backward, less its weights and their gradients.
+    # Activations (and gradients as they form): plain torch's peak over a forward and backward, less its weights.
     gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -183,12 +183,12 @@ def _offload_memory(settings: Settings) -> None:
     torch.cuda.reset_peak_memory_stats()
     lm_loss(model(batch[0].cuda()), batch[1].cuda()).backward()
     torch.cuda.synchronize()
-    activations = max(0, torch.cuda.max_memory_allocated() - base - 2 * weights)
+    activations = max(0, torch.cuda.max_memory_allocated() - base - weights)
     del model
     resident, _ = _peak_of_step(settings, _strategy("fsdp"), batch)
     offloaded, largest = _peak_of_step(settings, _strategy("fsdp", cpu_offload=True), batch)
-    # In flight: the unit computing and the one prefetched; for the unit reducing and the one before it, full
-    # gradients and the reduce-scatter's input (its output is a shard: the whole unit on one rank).
+    # In flight: the unit computing and the one prefetched; for the unit reducing and the one before it, the
+    # reduce-scatter's input and output (on one rank a shard is the whole unit).
     in_flight = 6
     bound = in_flight * largest + activations
     mib = 2**20

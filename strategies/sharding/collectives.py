@@ -7,11 +7,10 @@ design is checked against these counts.
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
 import os
 import weakref
+from collections import Counter
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -218,8 +217,8 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommS
         sends, recvs = [(own, p) for p in peers], [(full[p * n : (p + 1) * n], p) for p in peers]
         pending = Pending(_exchange(sends, recvs, group, ALL_GATHER_TAG))
     else:
-        source = shard.clone() if shard.data_ptr() == own.data_ptr() else shard  # no aliasing for the backend
-        pending = Pending([_all_gather_single(full, source, group=group, async_op=True)])
+        # `shard` may be `own` itself: nccl gathers in place when the input is the output's own slice.
+        pending = Pending([_all_gather_single(full, shard, group=group, async_op=True)])
     if not async_op:
         pending.wait()
     return pending

@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats, wait
+from .collectives import CommStats, one_rank_collectives, wait
 from .forward import ForwardHooks
 from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
-from .spec import ShardingSpec, UnitOptions
+from .spec import ZERO2, ShardingSpec, UnitOptions
 from .unit import ShardUnit
 from .units import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
 
@@ -58,6 +58,11 @@ class ShardingEngine:
         self._meta_ids = meta_ids
         self.groups = make_groups(group, shard_group_size)
         self.rank, self.world_size = self.groups.rank, self.groups.size  # within it
+        if _nothing_to_shard(spec, self.groups.data_parallel_size, self.unit_options, forward_context):
+            # One rank's shard of a unit is the whole unit: gathering and freeing it would only cost copies, hooks
+            # and a second copy of the weights. The same numbers and checkpoints come from keeping the parameters
+            # in place, as zero2 does (which on one rank keeps nothing else apart either).
+            self.spec = ZERO2
         self._full_precision_units: set[str] = set()
         self.stats = CommStats()
         self.optimizers: list[torch.optim.Optimizer] = []
@@ -76,7 +81,7 @@ class ShardingEngine:
         self._register_grad_hooks()
         self._register_zero_grad(module, None)
         self.forward_hooks = ForwardHooks(self, reshard_after_forward, forward_context)
-        if spec.shard_parameters or self.unit_options.param_dtype is not None:
+        if self.spec.shard_parameters or self.unit_options.param_dtype is not None:
             self._hooks += self.forward_hooks.register()
 
     # ---- setup --------------------------------------------------------------------------------------
@@ -328,7 +333,7 @@ class ShardingEngine:
         if self.in_backward:
             raise RuntimeError("strategy.unsharded() cannot be used during backward")
         wanted = {id(p) for p in (module or self.module).parameters()}
-        units = [u for u in self.units if any(id(p) in wanted for p in u.params) and not u.full_between_uses]
+        units = [u for u in self.units if any(id(p) in wanted for p in u.params)]
         for unit in self.units:
             unit.reshard()
         fulls = [unit.gather_full_master() for unit in units]
@@ -351,6 +356,13 @@ class ShardingEngine:
     def _write_full_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
         unit, index = self._unit_of_param[id(param)]
         unit.write_full_parameter(index, value)
+
+
+def _nothing_to_shard(spec: ShardingSpec, ranks: int, options: UnitOptions, forward_context: Any) -> bool:
+    """fsdp on one rank with nothing that needs its units: no mixed precision (units cast), no offloading (units
+    move), no activation offloading (a context around each forward), no one-rank collectives (collectives.py)."""
+    return (spec.shard_parameters and ranks == 1 and options == UnitOptions() and forward_context is None
+            and not one_rank_collectives())
 
 
 def _check_options(spec: ShardingSpec, options: UnitOptions) -> None:

@@ -19,7 +19,7 @@ def memory_report(engine: ShardingEngine) -> dict[str, int]:
     report = dict.fromkeys(["parameters", "gradients", "unsharded_in_flight", "padding"], 0)
     for unit in engine.units:
         pad = unit.layout.padding * unit.full_flat.element_size()
-        if not unit.full_between_uses:
+        if engine.spec.shard_parameters:
             report["parameters"] += _nbytes(unit.master)
             if unit.state is not ParamState.SHARDED:
                 report["unsharded_in_flight"] += unit.full_flat.untyped_storage().nbytes()
@@ -30,7 +30,8 @@ def memory_report(engine: ShardingEngine) -> dict[str, int]:
         report["gradients"] += unit.grads.nbytes
         report["padding"] += pad
     # ZeRO counts the full-precision master copy of mixed precision among the optimizer states (its K = 12).
-    masters = sum(_nbytes(u.master) for u in engine.units if u.full_between_uses and not u.master_is_in_full_flat)
+    masters = sum(_nbytes(u.master) for u in engine.units if not engine.spec.shard_parameters
+                  and not u.master_is_in_full_flat)
     report["optimizer_state"] = engine.optimizer_state_bytes + masters
     report["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report

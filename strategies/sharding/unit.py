@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats, Work, all_gather, one_rank_collectives, wait
+from .collectives import CommStats, Work, all_gather, wait
 from .gradients import NoGradients, ReplicatedGradients, ShardedGradients
 from .groups import Groups
 from .layout import FlatLayout, Piece
@@ -55,12 +55,6 @@ class ShardUnit:
         self.reduce_dtype = options.reduce_dtype or self.compute_dtype
         self.device = device or self.params[0].device
         self.shard_device = torch.device("cpu") if options.offload_to_cpu else self.device
-        # fsdp on one rank: the shard is the whole unit, so gathering and freeing it would only cost copies (and
-        # a second copy of the weights); the parameters stay in place as under ddp. Not when the compute dtype or
-        # device differs from the master's, nor when one-rank collectives are asked for (collectives.py).
-        self.keeps_full = spec.shard_parameters and groups.data_parallel_size == 1 and not (
-            self.compute_dtype != self.dtype or options.offload_to_cpu or one_rank_collectives())
-        self.full_between_uses = not spec.shard_parameters or self.keeps_full
         self._build_parameter_buffers()
         self._build_optimizer_shard()
         stores = {False: ReplicatedGradients, True: ShardedGradients}
@@ -85,7 +79,7 @@ class ShardUnit:
             for view, p in zip(self.layout.views(full), self.params):
                 view.copy_(p.detach())  # (parameters made on the meta device are written later, materialize.py)
         lo, hi = self.layout.shard_range(self.rank)
-        self.master_is_in_full_flat = self.full_between_uses and self.compute_dtype == self.dtype
+        self.master_is_in_full_flat = not self.spec.shard_parameters and self.compute_dtype == self.dtype
         if self.spec.shard_optimizer_state:
             self.master = full[lo:hi] if self.master_is_in_full_flat else self._master_copy(full[lo:hi])
         self.full_flat = full.to(self.compute_dtype)
@@ -141,9 +135,13 @@ class ShardUnit:
                 self.wait_unshard()
             return
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
-        # Moved first, then cast on the device: a cast on the host would copy from unpinned memory, and wait.
-        source = self.master.to(self.device, non_blocking=True).to(self.compute_dtype)
-        self._gather_work = all_gather(self.full_flat, source, self.groups.shard, self.stats, async_op=True)
+        lo, hi = self.layout.shard_range(self.rank)
+        own = self.full_flat[lo:hi]  # gathered in place, as FSDP2 does: no separate input buffer
+        if self.master.device != own.device and self.master.dtype != own.dtype:
+            own.copy_(self.master.to(own.device, non_blocking=True))  # moved, then cast on the device
+        else:
+            own.copy_(self.master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
+        self._gather_work = all_gather(self.full_flat, own, self.groups.shard, self.stats, async_op=True)
         self.state = ParamState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -161,7 +159,7 @@ class ShardUnit:
     def reshard(self) -> None:
         """Free the full parameters. Each parameter keeps its object, shape and dtype, but any read of it is an
         error naming it until the unit is gathered again (placeholder.py)."""
-        if self.full_between_uses or self.state is ParamState.SHARDED:
+        if not self.spec.shard_parameters or self.state is ParamState.SHARDED:
             return
         self.wait_unshard()
         self.full_flat.untyped_storage().resize_(0)
@@ -195,7 +193,7 @@ class ShardUnit:
                     if piece.param_index == index:
                         target = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
                         target.copy_(value.reshape(-1)[piece.start : piece.end])
-            if self.full_between_uses:
+            if not self.spec.shard_parameters:
                 offset, n = self.layout.offsets[index], self.layout.numels[index]
                 self.full_flat[offset : offset + n].copy_(value.reshape(-1))
 
