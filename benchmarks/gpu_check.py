@@ -51,7 +51,7 @@ PARTS: dict[str, Part] = {
     "fused_adamw": Part("correctness", "part_fused_adamw", 150, 5),
     "checkpoint": Part("correctness", "part_checkpoint", 150, 3),
     "auto": Part("correctness", "part_auto", 120, 1),
-    "streams": Part("streams", "part_streams", 120, 2, speed=True),
+    "streams": Part("streams", "part_streams", 120, 1, speed=True),
     "speed": Part("speed", "part_speed", 240, 0, speed=True),
     "overhead": Part("speed", "part_overhead", 120, 0, speed=True),
 }

@@ -60,6 +60,8 @@ def _trace(settings: Settings, variant: str, config: GPTConfig, batch: tuple) ->
             shutil.copyfileobj(src, dst)
     shutil.rmtree(folder, ignore_errors=True)
     report("trace", variant=variant, **summary)
+    if variant == "fully_shard":
+        return  # torch's own, traced for comparison (the trace line shows it), not a check of this project
     if settings.device != "cuda":
         check(f"{variant}: collectives on their own stream, overlapping compute", True,
               "no CUDA streams on CPU (trace written and read back)")
