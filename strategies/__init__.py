@@ -1,5 +1,6 @@
 """Strategies: how a model is spread over data-parallel ranks. Each is a sharding spec on one engine."""
 
+from . import _torch_version  # noqa: F401  (first: an older torch is refused by name before anything fails)
 from .base import Strategy
 from .ddp import DDPStrategy
 from .fsdp import FSDPStrategy

@@ -292,10 +292,26 @@ def test_auto_strategy_decides_by_the_plan(rank_pool):
     assert "no strategy fits" in chosen[-1][1] and "max_memory_per_rank" in chosen[-1][1], chosen[-1]
 
 
-def test_plan_after_fit_leaves_the_module_alone():
+def test_auto_on_one_rank_is_single_when_the_plan_fits_and_an_error_when_not(capsys):
+    """One rank with a budget (on a GPU: its free memory): single if the plan fits it, else a clear error,
+    before any memory is taken (as on several ranks)."""
+    loader = DataLoader(token_dataset(8), batch_size=2)
+    trainer = Trainer(strategy="auto", devices=1, max_steps=1, max_memory_per_rank="1GiB", **QUIET)
+    trainer.fit(SmallLM(), loader)
+    assert trainer.strategy.name == "single"
+    assert "chose single: one rank, and its plan fits 1.00 GiB" in capsys.readouterr().out
+    trainer = Trainer(strategy="auto", devices=1, max_steps=1, max_memory_per_rank=1024, **QUIET)
+    with pytest.raises(ValueError, match="strategy=.auto. with max_memory_per_rank=1.0 KiB: no strategy fits"):
+        trainer.fit(SmallLM(), loader)
+
+
+def test_plan_after_fit_leaves_the_module_alone(monkeypatch):
     """Planning a module that fsdp has set up (sharded parameters, the engine's hooks) reads only shapes and
     changes nothing. The Trainer's FSDPStrategy options are the plan's: units per Block beat one root unit."""
     from strategies import FSDPStrategy
+    from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
+
+    monkeypatch.setenv(ONE_RANK_COLLECTIVES, "1")  # units and hooks as on several ranks (one rank keeps none)
 
     module, loader = SmallLM(), DataLoader(token_dataset(8), batch_size=2)
     trainer = Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}), devices=1, max_steps=1, **QUIET)

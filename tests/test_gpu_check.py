@@ -1,0 +1,46 @@
+"""benchmarks/gpu_check.py, the one command that checks the CUDA/nccl path. Its CUDA run needs a GPU (skipped
+here without one); on CPU the same code runs at tiny sizes, so a change that breaks the check shows up in CI and
+not first on a GPU lent for a few minutes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+
+
+def run_check(*args: str, timeout: int) -> tuple[int, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("OUT", None)
+    done = subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=ROOT)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_the_gpu_check_runs_on_cpu_and_every_check_holds():
+    """Parts that cover the engine on both one-rank paths, checkpoints and the trace reader, at tiny sizes."""
+    code, out = run_check("--device", "cpu", "--tiny", "--parts", "strategies_alone,checkpoint,streams",
+                          timeout=300)
+    holding = re.search(r"gpu: (\d+)/(\d+) checks hold", out)
+    assert holding is not None, out[-3000:]
+    assert holding.group(1) == holding.group(2) == "14" and code == 0, out[-3000:]
+    assert "trainer fsdp fp32 [one rank: no collectives]" in out
+
+
+def test_an_unknown_part_is_refused_by_name():
+    code, out = run_check("--device", "cpu", "--parts", "strategies,warp", timeout=60)
+    assert code == 2 and "--parts: unknown ['warp']" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_gpu_check_holds_on_this_gpu():
+    code, out = run_check("--budget-s", "420", timeout=480)
+    holding = re.search(r"gpu: (\d+)/(\d+) checks hold", out)
+    assert holding is not None and holding.group(1) == holding.group(2) and code == 0, out[-4000:]
