@@ -27,6 +27,7 @@ from torch import nn
 
 from .collectives import CommStats, one_rank_collectives, wait
 from .forward import ForwardHooks
+from .gradients import read_used_flags
 from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .spec import ZERO2, ShardingSpec, UnitOptions
@@ -218,6 +219,7 @@ class ShardingEngine:
             unit.grads.finish()
             unit.reshard()
             unit.reset_backward_state()
+        read_used_flags([unit.grads for unit in self.units])  # the host waits for the GPU once, here
         for unit in self.units:
             unit.grads.attach()
         self._next_reduce = 0

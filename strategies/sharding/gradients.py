@@ -42,6 +42,9 @@ class NoGradients:
     def show(self) -> None: ...
     def hide(self) -> None: ...
 
+    def pending_flags(self) -> torch.Tensor | None:
+        return None
+
 
 class ReplicatedGradients:
     def __init__(self, unit: ShardUnit) -> None:
@@ -52,6 +55,7 @@ class ReplicatedGradients:
         self.views = layout.views(self.flat)
         self.zeroed = [True] * n  # regions known to hold zeros
         self.used: list[bool] | None = None  # by the last reduction; None while nothing is reduced
+        self._used_pending: torch.Tensor | None = None  # the last reduction's flags, not yet read by the host
         self._work: Work = None
         self._launched = False
         sharded = unit.spec.shard_optimizer_state
@@ -96,14 +100,22 @@ class ReplicatedGradients:
         self._work, self._launched = None, False
         if self.unit.groups.data_parallel_size > 1:
             self.buffer.div_(self.unit.groups.data_parallel_size)
-        self.used = (self.flags > 0).tolist()
-        self.zeroed = [not used for used in self.used]  # every region now holds the average of all ranks
+        self._used_pending = self.flags > 0  # read with every unit's at the end of backward (read_used_flags)
         self.own = self._own_view()  # (a copy in the master's dtype under mixed precision)
+
+    def pending_flags(self) -> torch.Tensor | None:
+        return self._used_pending
+
+    def take_flags(self, used: torch.Tensor) -> None:
+        self.used = used.tolist()
+        self.zeroed = [not u for u in self.used]  # every region now holds the average of all ranks
+        self._used_pending = None
 
     def advance(self) -> None: ...  # an all-reduce frees nothing before it is done
 
     def attach(self) -> None:
         """After a reduction: `.grad` is the averaged gradient where some rank used the parameter, else None."""
+        read_used_flags([self])
         if self.used is None:
             return
         for index, (p, used) in enumerate(zip(self.unit.params, self.used)):
@@ -246,12 +258,23 @@ class ShardedGradients:
 
     def _settle(self) -> None:
         """Wait for what is still arriving and read the used flags (called before either is looked at)."""
+        read_used_flags([self])
+
+    def pending_flags(self) -> torch.Tensor | None:
+        """The used flags of the reductions not yet read, or-ed (offloaded ones once they have arrived)."""
         for host, arrived in self._arriving:
             arrived.synchronize()
             self._add(host)
         self._arriving.clear()
-        for flags in self._used_on_device:
-            self.used |= flags.cpu()
+        if not self._used_on_device:
+            return None
+        flags = self._used_on_device[0]
+        for more in self._used_on_device[1:]:
+            flags = flags | more
+        return flags
+
+    def take_flags(self, used: torch.Tensor) -> None:
+        self.used |= used
         self._used_on_device.clear()
 
     def attach(self) -> None:
@@ -297,6 +320,17 @@ class ShardedGradients:
     def hide(self) -> None:
         for p in self.unit.params:
             p.grad = None
+
+
+def read_used_flags(stores: list) -> None:
+    """Bring the pending "used" flags of `stores` to the host with one copy: each copy from the GPU waits for
+    everything queued before it, so one per unit would stall the host many times per backward."""
+    pending = [(store, flags) for store in stores if (flags := store.pending_flags()) is not None]
+    if not pending:
+        return
+    on_host = torch.cat([flags.reshape(-1) for _, flags in pending]).cpu()
+    for (store, _), host in zip(pending, torch.split(on_host, [f.numel() for _, f in pending])):
+        store.take_flags(host)
 
 
 def fill_flags(flags: torch.Tensor, values: list[bool]) -> torch.Tensor:
