@@ -177,11 +177,6 @@ class Strategy:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
         return gradient_access.gradient_tensors(self.engine)
 
-    def visible_gradients(self) -> AbstractContextManager:
-        """Around the user's backward hooks: `.grad` of a parameter with a gradient is never None (zero2, fsdp: a
-        placeholder saying that this rank holds a shard; see full_gradients)."""
-        return gradient_access.visible_gradients(self.engine)
-
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient in full, by name. Collective (call it on every rank)."""
         return gradient_access.full_gradients(self.engine)

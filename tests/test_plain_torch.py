@@ -9,17 +9,20 @@ steps, and a branch that only some ranks take. A parameter no rank used keeps `.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from strategies import FSDPStrategy, get_strategy
+from strategies import FSDPStrategy, MixedPrecision, ZeroStrategy, get_strategy
 from tests.test_parity import DIM, VOCAB, Block, TiedLM, max_relative_difference, token_dataset
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 STEPS, PER_RANK, ACCUMULATE, CLIP = 4, 2, 2, 0.3
+CLIP_VALUE = 0.01  # clip_grad_value_'s bound: below most gradient elements here
 
 class Sometimes(TiedLM):
     """TiedLM plus parameters that get no gradient on some steps or ranks."""
@@ -61,52 +64,66 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.5}, {"params": other, "weight_decay": 0.0}],
                              lr=0.01)
 
-def one_process(world_size: int) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+def torch_clip(model: nn.Module, clip: str) -> float | None:
+    """Clip with torch's own functions: "norm" (L2, the default path), "value", "inf-foreach" (the infinity norm
+    through torch's foreach path). Returns the norm torch computed."""
+    if clip == "value":
+        torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+        return None
+    if clip == "inf-foreach":
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP / 10, norm_type=math.inf, foreach=True))
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+
+
+def one_process(world_size: int, clip: str = "norm") -> tuple[dict[str, torch.Tensor], list[list[str]], list]:
     """Plain torch, no strategy: each step's loss is the mean over ranks of what each rank computes."""
     model = new_sometimes()
     optimizer = adamw(model)
-    without_grad = []
+    without_grad, norms = [], []
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
             losses = [loss_of(model, *rank_batch(r, world_size, step, micro), step, takes_branch(r, step))
                       for r in range(world_size)]
             (torch.stack(losses).mean() / ACCUMULATE).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch_clip(model, clip))
         without_grad.append(sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None))
         optimizer.step()
         optimizer.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, without_grad
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, without_grad, norms
 
 def make(name: str):
+    if name == "zero1-bf16":  # the ZeRO paper's configuration: bf16 replicas, fp32 master and optimizer state
+        return ZeroStrategy(stage=1, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     return FSDPStrategy(auto_wrap_policy={Block}) if name == "fsdp" else get_strategy(name)
 
-def plain_loop(name: str) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
-    """The README's plain loop, on this process's group (or alone), with accumulation and clipping."""
+def plain_loop(name: str, clip: str = "strategy") -> tuple[dict[str, torch.Tensor], list[list[str]], list]:
+    """The README's plain loop, on this process's group (or alone), with accumulation and clipping (by
+    `strategy.clip_gradients`, or by torch's functions: see torch_clip)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     strategy = make(name)
     model = strategy.setup_module(new_sometimes())
     optimizer = strategy.setup_optimizer(adamw(model))
-    without_grad = []
+    without_grad, norms = [], []
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
             x, y = rank_batch(rank, world_size, step, micro)
             with strategy.no_backward_sync(enabled=micro < ACCUMULATE - 1):
                 (loss_of(model, x, y, step, takes_branch(rank, step)) / ACCUMULATE).backward()
-        strategy.clip_gradients(CLIP)
+        norms.append(float(strategy.clip_gradients(CLIP)) if clip == "strategy" else torch_clip(model, clip))
         if not strategy.spec.shard_gradients:  # the module's own .grad is what ddp and zero1 step from
             without_grad.append(sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None))
         optimizer.step()
         optimizer.zero_grad()
         assert all(p.grad is None for p in model.parameters())
-    return strategy.full_state_dict(), without_grad
+    return strategy.full_state_dict(), without_grad, norms
 
 def body_plain_loops() -> dict[str, tuple]:
     return {name: plain_loop(name) for name in STRATEGIES}
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_a_plain_torch_loop_matches_one_process(rank_pool, world_size):
-    want, want_without_grad = one_process(world_size)
+    want, want_without_grad, _ = one_process(world_size)
     assert ["never.bias", "never.weight"] == want_without_grad[0][:2]  # the reference really has gradless steps
     assert "alternate.weight" in want_without_grad[1] and "branch.weight" not in want_without_grad[0]
     initial = new_sometimes().state_dict()
@@ -116,7 +133,7 @@ def test_a_plain_torch_loop_matches_one_process(rank_pool, world_size):
     else:
         ranks = rank_pool(world_size).run(body_plain_loops)
     for rank, results in enumerate(ranks):
-        for name, (got, without_grad) in results.items():
+        for name, (got, without_grad, _) in results.items():
             difference = max_relative_difference(got, want)
             assert difference <= 1e-4, (name, world_size, rank, difference)
             assert torch.equal(got["never.weight"], initial["never.weight"]), (name, "the unused parameter moved")

@@ -272,8 +272,7 @@ class StepRunner:
             self._unsynced = False
         any_rank = lambda flag: self.strategy.reduce_boolean_decision(flag, all=False)  # noqa: E731
         if stepping and t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
-            with self.strategy.visible_gradients():
-                t._call("on_before_optimizer_step", self.optimizer)  # before clipping, as Lightning
+            t._call("on_before_optimizer_step", self.optimizer)  # before clipping, as Lightning
             if t.gradient_clip_val is not None:
                 stepping = self._clip_gradients(batch_idx)
             if stepping:

@@ -27,9 +27,10 @@ from torch import nn
 
 from .collectives import CommStats, one_rank_collectives, wait
 from .forward import ForwardHooks
-from .gradients import read_used_flags
+from .gradients import ShardedGradients, read_used_flags
 from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
+from .sharded_gradient import GradientNorms, ShardedGradient
 from .spec import ZERO2, ShardingSpec, UnitOptions
 from .unit import ShardUnit
 from .units import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
@@ -74,6 +75,7 @@ class ShardingEngine:
         self._broadcast_buffers()
         self.units = self._build_units(wrap_policy)
         self._unit_of_param = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._share_gradient_norms()
         self._reduce_order = self.units  # built in the order backward is expected to finish them
         self._next_reduce = 0
         if meta_ids or has_meta_buffers(module):
@@ -111,6 +113,13 @@ class ShardingEngine:
                 self._broadcast_params(params)
                 units.append(self._new_unit(name, params, module))
         return units
+
+    def _share_gradient_norms(self) -> None:
+        """The sharded gradients' placeholders combine their norms over the ranks, all units at once."""
+        stores = [u.grads for u in self.units if isinstance(u.grads, ShardedGradients)]
+        norms = GradientNorms(stores, self.groups, self.device)
+        for store in stores:
+            store.norms = norms
 
     def _with_norm_units(self, wrapped: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
         """Under mixed precision, normalization layers become units of their own kept in full precision
@@ -152,6 +161,9 @@ class ShardingEngine:
                 if p.requires_grad:
                     hook = functools.partial(_on_grad_ready, engine, unit_index, index)
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                    if self.spec.shard_gradients:
+                        self._hooks.append(p.register_hook(functools.partial(_drop_placeholder, engine, unit_index,
+                                                                             index)))
 
     def _register_zero_grad(self, owner: Any, params: list[torch.Tensor] | None) -> None:
         """`owner.zero_grad()` (the model's or an optimizer's) also clears the engine's gradients of `params`
@@ -265,10 +277,15 @@ class ShardingEngine:
         units = [u for u in self.units if any(id(p) in ids for p in u.params)]
         engine = weakref.ref(self)
 
+        def before_step(*_: Any) -> None:
+            for unit in units:
+                unit.grads.refresh()
+
         def after_step(*_: Any) -> None:
             if (live := engine()) is not None:
                 live.after_parameters_changed(units)
 
+        self._hooks.append(optimizer.register_step_pre_hook(before_step))
         self._hooks.append(optimizer.register_step_post_hook(after_step))
         self._register_zero_grad(optimizer, params)
         return optimizer
@@ -388,6 +405,16 @@ class _InstanceAttribute:
         owner = self.owner()
         if owner is not None and self.name in vars(owner):
             delattr(owner, self.name)
+
+
+def _drop_placeholder(engine: weakref.ref, unit_index: int, index: int, _grad: torch.Tensor) -> None:
+    """Before autograd accumulates a new gradient into `.grad`: a placeholder there is no gradient to add to (the
+    previous micro-batch's was reduced into the shard already), so autograd must find None."""
+    live = engine()
+    if live is not None:
+        param = live.units[unit_index].params[index]
+        if type(param.grad) is ShardedGradient:
+            param.grad = None
 
 
 def _on_grad_ready(engine: weakref.ref, unit_index: int, index: int, _param: torch.Tensor) -> None:
