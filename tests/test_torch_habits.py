@@ -134,3 +134,35 @@ def test_torchs_clipping_in_on_before_optimizer_step_and_in_a_manual_step(rank_p
         assert max_relative_difference(got["hook"], want["hook"]) <= 1e-5, name
         assert max_relative_difference(got["manual"], want["manual"]) <= 1e-5, name
 
+
+# ------------------------------------------------------------------ optimizer.state_dict(), the DDP habit
+
+
+def body_optimizer_state_dict_habit(name: str, tmp_path: str) -> dict[str, str]:
+    """Save rank 0's optimizer.state_dict() and load it on every rank, as DDP users do; then each rank its own."""
+    strategy = make(name)
+    torch.manual_seed(0)
+    model = strategy.setup_module(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    optimizer = strategy.setup_optimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    rank, out = dist.get_rank(), {}
+    if rank == 0:
+        torch.save(optimizer.state_dict(), f"{tmp_path}/rank0.pt")
+    torch.save(optimizer.state_dict(), f"{tmp_path}/own{rank}.pt")
+    dist.barrier()
+    for what, path in {"rank 0's": f"{tmp_path}/rank0.pt", "own": f"{tmp_path}/own{rank}.pt"}.items():
+        try:
+            optimizer.load_state_dict(torch.load(path, weights_only=False))
+            out[what] = "loaded"
+        except ValueError as error:
+            out[what] = str(error)
+    return out
+
+
+@pytest.mark.parametrize("name", ["zero1", "fsdp"])
+def test_a_sharded_optimizers_state_dict_is_refused_on_another_rank(rank_pool, tmp_path, name):
+    rank0, rank1 = rank_pool(2).run(body_optimizer_state_dict_habit, name, str(tmp_path))
+    assert rank0 == {"rank 0's": "loaded", "own": "loaded"}
+    assert rank1["own"] == "loaded"
+    assert "holds rank 0's shard of 2 ranks" in rank1["rank 0's"] and "strategy.save(path" in rank1["rank 0's"]

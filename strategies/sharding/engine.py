@@ -30,6 +30,7 @@ from .forward import ForwardHooks
 from .gradients import ShardedGradients, read_used_flags
 from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
+from .optimizer_record import mark_state_dicts
 from .sharded_gradient import GradientNorms, ShardedGradient
 from .spec import ZERO2, ShardingSpec, UnitOptions
 from .unit import ShardUnit
@@ -288,6 +289,8 @@ class ShardingEngine:
         self._hooks.append(optimizer.register_step_pre_hook(before_step))
         self._hooks.append(optimizer.register_step_post_hook(after_step))
         self._register_zero_grad(optimizer, params)
+        if self.spec.shard_optimizer_state:  # its state_dict() is this rank's shard: say so (optimizer_record.py)
+            self._hooks += mark_state_dicts(self, optimizer)
         return optimizer
 
     @property
