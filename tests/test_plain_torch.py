@@ -172,3 +172,71 @@ def test_an_fsdp_model_computes_with_its_real_weights_wherever_it_is_called(rank
             assert torch.allclose(out["submodule"], plain.blocks[1](plain.emb(x)), atol=1e-6)
             assert torch.allclose(out["with_grad"], plain(x, 0, True), atol=1e-6)
             assert out["no_grad"].abs().sum() > 0
+
+# ------------------------------------------------------------------------------ checkpoints of the plain loop
+
+GLOBAL_BATCH, SAVE_AT = 6, 2
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = token_dataset(samples=STEPS * GLOBAL_BATCH).tensors
+    return x[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH], y[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+
+
+def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: object, steps: range) -> None:
+    """Each rank takes its equal share of the global batch (so any world size computes the same steps)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    share = GLOBAL_BATCH // world_size
+    for step in steps:
+        x, y = global_batch(step)
+        x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+        F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
+def new_plain_loop(name: str) -> tuple:
+    strategy = make(name)
+    torch.manual_seed(0)
+    model = strategy.setup_module(TiedLM())
+    optimizer = strategy.setup_optimizer(adamw(model))
+    return strategy, model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def body_save_and_go_on(name: str, path: str) -> dict[str, torch.Tensor]:
+    strategy, model, optimizer, scheduler = new_plain_loop(name)
+    train_steps(model, optimizer, scheduler, range(SAVE_AT))
+    strategy.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": SAVE_AT})
+    train_steps(model, optimizer, scheduler, range(SAVE_AT, STEPS))
+    return strategy.full_state_dict()
+
+
+def body_resume(name: str, path: str) -> tuple[dict[str, torch.Tensor], dict, float]:
+    strategy, model, optimizer, scheduler = new_plain_loop(name)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    extra = strategy.load(path, state)
+    train_steps(model, optimizer, scheduler, range(state["step"], STEPS))
+    return strategy.full_state_dict(), extra, optimizer.param_groups[0]["lr"]
+
+
+def test_the_plain_loop_saves_and_resumes_under_any_strategy_and_world_size(rank_pool, tmp_path):
+    """strategy.save / strategy.load (Lightning Fabric's names): written under fsdp on 2 ranks, resumed under ddp on
+    2 ranks and under zero2 in one process, each ends with the weights of the uninterrupted run."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    optimizer = adamw(model)
+    train_steps(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5), range(STEPS))
+    want = model.state_dict()
+    path = str(tmp_path / "ckpt")
+    uninterrupted = rank_pool(2).run(body_save_and_go_on, "fsdp", path)[0]
+    assert max_relative_difference(uninterrupted, want) <= 1e-5
+    resumed = {"ddp, 2 ranks": rank_pool(2).run(body_resume, "ddp", path)[1],
+               "zero2, 1 rank": body_resume("zero2", path)}
+    for where, (got, extra, lr) in resumed.items():
+        assert max_relative_difference(got, want) <= 1e-5, where
+        assert extra == {"scheduler": {**extra["scheduler"]}, "step": SAVE_AT} and lr == 0.01 * 0.5**STEPS, where
+    from trainer.checkpoint import load_full_state_dict
+
+    assert set(load_full_state_dict(path)) == set(TiedLM().state_dict())

@@ -69,7 +69,7 @@ class ShardingEngine:
         self._full_precision_units: set[str] = set()
         self.stats = CommStats()
         self.optimizers: list[torch.optim.Optimizer] = []
-        self._optimizer_params: dict[int, list[nn.Parameter]] = {}
+        self._optimizer_groups: dict[int, list[list[nn.Parameter]]] = {}  # the module's parameters, by group
         self.sync_gradients = True
         self.in_backward = False
         self._backward_queued = False
@@ -270,7 +270,7 @@ class ShardingEngine:
         if optimizer.state:
             raise ValueError("configure_optimizers: the optimizer already has state; return a fresh optimizer")
         self.optimizers.append(optimizer)
-        self._optimizer_params[id(optimizer)] = params
+        self._optimizer_groups[id(optimizer)] = [list(group["params"]) for group in optimizer.param_groups]
         if self.spec.shard_optimizer_state:
             for group in optimizer.param_groups:
                 group["params"] = [shard for p in group["params"] if (shard := self.shard_of(p)) is not None]
@@ -317,7 +317,14 @@ class ShardingEngine:
 
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The module's parameters `optimizer` steps (its own holds this rank's pieces of them)."""
-        return self._optimizer_params[id(optimizer)]
+        return [p for group in self.optimizer_groups(optimizer) for p in group]
+
+    def optimizer_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+        """The module's parameters in each group of `optimizer`, as the user made the groups."""
+        if id(optimizer) not in self._optimizer_groups:
+            raise ValueError("this optimizer was not given to strategy.setup_optimizer (call it with the optimizer "
+                             "first, and use the optimizer it returns)")
+        return self._optimizer_groups[id(optimizer)]
 
     def after_parameters_changed(self, units: list[ShardUnit] | None = None) -> None:
         """Bring every copy of the parameters up to date with the (just stepped or loaded) master shards."""
