@@ -94,6 +94,8 @@ def one_process(world_size: int, clip: str = "norm") -> tuple[dict[str, torch.Te
 def make(name: str):
     if name == "zero1-bf16":  # the ZeRO paper's configuration: bf16 replicas, fp32 master and optimizer state
         return ZeroStrategy(stage=1, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    if name == "hsdp1":  # hybrid: each rank a shard group of its own, the two replicated
+        return FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=1)
     return FSDPStrategy(auto_wrap_policy={Block}) if name == "fsdp" else get_strategy(name)
 
 def plain_loop(name: str, clip: str = "strategy") -> tuple[dict[str, torch.Tensor], list[list[str]], list]:

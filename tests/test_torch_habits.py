@@ -28,10 +28,9 @@ CLIPS = ("norm", "value", "inf-foreach")
 
 
 def body_torch_clipping() -> dict[tuple[str, str], tuple]:
-    out = {(name, clip): plain_loop(name, clip) for name in STRATEGIES for clip in CLIPS
-           if clip == "norm" or name in ("zero2", "fsdp")}
-    out.update({("zero1-bf16", clip): plain_loop("zero1-bf16", clip) for clip in ("norm", "strategy")})
-    return out
+    runs = [(name, "norm") for name in (*STRATEGIES, "hsdp1")]
+    runs += [("fsdp", "value"), ("zero2", "inf-foreach"), ("zero1-bf16", "norm"), ("zero1-bf16", "strategy")]
+    return {(name, clip): plain_loop(name, clip) for name, clip in runs}
 
 
 def test_torchs_clip_grad_norm_and_clip_grad_value_give_one_processs_numbers(rank_pool):
