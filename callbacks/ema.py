@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from strategies import Strategy
     from trainer import Trainer, TrainModule
 
-KEY = "ema"  # checkpoint entries "ema.<name>" (trainer.checkpoint.format.EMA)
+KEY = "ema"  # checkpoint entries "ema.<name>" (strategies.checkpoint.format.EMA)
 SWAP_CHUNK = 1 << 22  # elements swapped at a time: the transient memory of a swap
 
 

@@ -93,7 +93,7 @@ class ModelCheckpoint(Callback):
         self._dirpath_resolved = True
         self._epoch_ended = False
         if stage == "fit" and trainer.is_global_zero and os.path.isdir(dirpath):
-            from trainer.checkpoint.files import remove_incomplete
+            from strategies.checkpoint.files import remove_incomplete
 
             remove_incomplete(dirpath)  # staging folders of saves that crashed or were killed
             if os.listdir(dirpath):
@@ -243,7 +243,7 @@ class ModelCheckpoint(Callback):
         stale = [old for _, remove in due for old in remove] if trainer.is_global_zero else []
 
         def remove_stale() -> None:
-            from trainer.checkpoint.files import remove
+            from strategies.checkpoint.files import remove
 
             for old in stale:
                 remove(old)

@@ -8,6 +8,7 @@ setting the two up, skipping gradient sync, gathering parameters for the user, a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 from torch.utils._pytree import tree_map
 
+from .checkpoint import loop_state
 from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec, gradient_access
 from .sharding import state_dict as engine_state
@@ -177,11 +179,6 @@ class Strategy:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
         return gradient_access.gradient_tensors(self.engine)
 
-    def visible_gradients(self) -> AbstractContextManager:
-        """Around the user's backward hooks: `.grad` of a parameter with a gradient is never None (zero2, fsdp: a
-        placeholder saying that this rank holds a shard; see full_gradients)."""
-        return gradient_access.visible_gradients(self.engine)
-
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient in full, by name. Collective (call it on every rank)."""
         return gradient_access.full_gradients(self.engine)
@@ -189,6 +186,20 @@ class Strategy:
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The module's parameters that `optimizer` (given to setup_optimizer) steps."""
         return self.engine.optimizer_parameters(optimizer)
+
+    # ---- checkpoints (Lightning Fabric's names) ---------------------------------------------------------
+    def save(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+        """Write a checkpoint of `state`, such as {"model": model, "optimizer": optimizer, "step": 7}, at `path`
+        in the Trainer's DCP format: the model and optimizers as each rank's pieces, any other entry from rank 0
+        (a scheduler or anything with a state_dict() as its state dict). Collective: every rank calls it."""
+        loop_state.save(self, path, state)
+
+    def load(self, path: str | os.PathLike, state: dict[str, Any]) -> dict[str, Any]:
+        """Restore `state` in place from a checkpoint of `save` (or of the Trainer) written under any strategy and
+        world size, resharded: the model and optimizers in place, entries with load_state_dict through it, other
+        entries replaced in `state`. Returns the checkpoint's entries that are not the model or an optimizer.
+        Collective."""
+        return loop_state.load(self, path, state)
 
     # ---- state --------------------------------------------------------------------------------------
     def model_state_pieces(self) -> dict[str, Any]:

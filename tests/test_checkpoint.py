@@ -28,11 +28,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback, ModelCheckpoint
 from strategies import FSDPStrategy, ZeroStrategy, get_strategy
+from strategies.checkpoint import format as ckpt_format
+from strategies.checkpoint.planners import ShardLoadPlanner
 from tests.ranks import ROOT
 from trainer import Trainer, TrainModule, seed_everything
 from trainer import checkpoint as ckpt_io
-from trainer.checkpoint import format as ckpt_format
-from trainer.checkpoint.planners import ShardLoadPlanner
 from trainer.checkpoint.streamed_file import StreamedFullFile
 
 VOCAB, DIM, SEQ = 11, 6, 5

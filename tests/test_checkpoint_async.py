@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from callbacks import Callback, ModelCheckpoint
+from strategies.checkpoint import format as ckpt_format
 from tests.test_checkpoint import assert_states_close, fit, keeps_determinism_setting, rank_zero
 from trainer import checkpoint as ckpt_io
-from trainer.checkpoint import format as ckpt_format
 
 GATE = threading.Event()  # holds every rank's background save until training has gone on
 

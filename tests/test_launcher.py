@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.ranks import ROOT, RankFailure
+from trainer import Trainer, launcher, slurm
 from trainer.launcher import ClusterEnvironment, detect_environment, init_process_group
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "allreduce.py")
@@ -29,10 +30,11 @@ RANK_VARS = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR 
 class Job:
     """A command in its own session with its output in files; the time it ended is recorded."""
 
-    def __init__(self, argv: list[str], workdir: Path) -> None:
+    def __init__(self, argv: list[str], workdir: Path, extra_env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
         workdir.mkdir()
-        env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+        env = {k: v for k, v in os.environ.items() if k not in RANK_VARS and not k.startswith("SLURM_")}
+        env.update(extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
         with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
             self.proc = subprocess.Popen(
@@ -96,6 +98,52 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
         job.kill()
 
 
+@pytest.fixture(scope="module")
+def srun_jobs(tmp_path_factory: pytest.TempPathFactory):
+    """The tasks `srun` would start, with srun's variables, on this machine: 2 tasks of a Trainer(devices=2) on one
+    node (one task per device), and 2 "nodes" of one task each starting its 2 local ranks (one task per node).
+    Started when the first test asks, after the jobs above (2 cores: more processes at once only wait longer)."""
+    tmp, python = tmp_path_factory.mktemp("srun"), sys.executable
+    jobs = _srun_jobs(tmp, python)
+    yield jobs
+    for job in jobs.values():
+        job.kill()
+
+
+def _srun_jobs(tmp: Path, python: str) -> dict[str, Job]:
+    job_id, port = _job_id_with_a_free_port()
+    common = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "train.py", "SLURM_JOB_NODELIST": "localhost"}
+    jobs = {}
+    for task in (0, 1):
+        per_device = {**common, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(task),
+                      "SLURM_LOCALID": str(task), "SLURM_NODEID": "0"}
+        argv = [python, os.path.join(ROOT, "tests", "scripts", "trainer_ranks.py"), "--devices", "2", "--root",
+                str(tmp / "srun_trainer")]
+        jobs[f"srun_per_device{task}"] = Job(argv, tmp / f"srun_per_device{task}", per_device)
+    job_id2, _ = _job_id_with_a_free_port(avoid=port)
+    for node in (0, 1):
+        per_node = {**common, "SLURM_JOB_ID": job_id2, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
+                    "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node), "SLURM_NNODES": "2"}
+        argv = [python, SCRIPT, "--devices", "2", "--num-nodes", "2"]
+        jobs[f"srun_per_node{node}"] = Job(argv, tmp / f"srun_per_node{node}", per_node)
+    return jobs
+
+
+def _job_id_with_a_free_port(avoid: int = 0) -> tuple[str, int]:
+    """A SLURM job id whose port (15000 + its last 4 digits, Lightning's rule) is free here."""
+    for offset in range(os.getpid() % 5000, 10000):
+        port = 15000 + offset
+        if port == avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return f"77{offset:04d}", port
+    raise RuntimeError("no free port for the SLURM job")
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -154,6 +202,53 @@ def test_two_torchrun_nodes(jobs):
         assert code == 0, err
         assert f"rank {node} of 2 on node {node}: sum 3" in out
         assert "at exit: process group destroyed True" in out, out
+
+
+def test_srun_one_task_per_device_makes_each_task_one_rank(srun_jobs):
+    outputs = [srun_jobs[f"srun_per_device{task}"].result() for task in (0, 1)]
+    for code, _, err in outputs:
+        assert code == 0, err
+    lines = sorted(line for _, out, _ in outputs for line in out.splitlines() if line.startswith("rank "))
+    assert [line.split(":")[0] for line in lines] == ["rank 0 of 2, local rank 0", "rank 1 of 2, local rank 1"]
+    assert len({line.split("weights")[1] for line in lines}) == 1  # one job: the same weights on both ranks
+
+
+def test_srun_one_task_per_node_starts_each_nodes_ranks(srun_jobs):
+    outputs = [srun_jobs[f"srun_per_node{node}"].result() for node in (0, 1)]
+    for code, _, err in outputs:
+        assert code == 0, err
+    for node, (_, out, _) in enumerate(outputs):
+        for rank in (2 * node, 2 * node + 1):
+            assert f"rank {rank} of 4 on node {node}: sum 10" in out, out
+
+
+@pytest.mark.parametrize("tasks, per_node, devices, num_nodes", [(3, "3", 2, 1), (4, "2(x2)", 2, 1), (2, "1", 4, 1)])
+def test_an_srun_task_count_that_does_not_fit_is_refused(monkeypatch, tasks, per_node, devices, num_nodes):
+    for name in RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    slurm_env = dict(SLURM_NTASKS=str(tasks), SLURM_NTASKS_PER_NODE=per_node, SLURM_PROCID="0", SLURM_LOCALID="0",
+                     SLURM_NODEID="0", SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES="1", SLURM_JOB_ID="4321")
+    for name, value in slurm_env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launcher, "launch_local_ranks", lambda *a, **k: pytest.fail("ranks were started"))
+    with pytest.raises(ValueError, match=rf"SLURM_NTASKS={tasks}.*devices={devices} x num_nodes={num_nodes}"):
+        Trainer(devices=devices, num_nodes=num_nodes, logger=False, enable_checkpointing=False)
+
+
+def test_srun_environment_and_node_lists():
+    assert slurm.expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
+    assert slurm.expand_nodelist("r[1-2]-n[08-09]") == ["r1-n08", "r1-n09", "r2-n08", "r2-n09"]
+    env = dict(SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4(x2)", SLURM_PROCID="5", SLURM_LOCALID="1",
+               SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_ID="123456")
+    task = slurm.detect(env)
+    assert (task.task, task.tasks, task.local_task, task.node, task.nodes, task.tasks_per_node) == (5, 8, 1, 1, 2, 4)
+    assert (task.master_addr, task.master_port) == ("gpu07", 15000 + 3456)
+    assert slurm.place(task, devices=4, num_nodes=2) == slurm.Placement(5, 1, 1, 8, 1, "gpu07", 18456)
+    per_node = slurm.detect({**env, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "1",
+                             "SLURM_LOCALID": "0"})
+    assert slurm.place(per_node, devices=4, num_nodes=2) == slurm.Placement(4, 0, 4, 8, 1, "gpu07", 18456)
+    assert slurm.detect({**env, "SLURM_JOB_NAME": "bash"}) is None  # salloc, then python in the shell
+    assert slurm.detect({}) is None
 
 
 def test_detect_environment(monkeypatch):

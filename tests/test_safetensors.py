@@ -15,10 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback
 from strategies import FSDPStrategy
+from strategies.checkpoint.planners import ShardLoadPlanner
 from tests.test_checkpoint import assert_states_close, keeps_determinism_setting, rank_zero
 from trainer import Trainer, TrainModule, seed_everything
 from trainer import checkpoint as ckpt_io
-from trainer.checkpoint.planners import ShardLoadPlanner
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from callbacks import Callback, Logger, ModelCheckpoint, ModelSummary, ProgressBar, TensorBoardLogger
 from strategies import Strategy, get_strategy
 
-from . import launcher
+from . import launcher, slurm
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -59,9 +59,12 @@ def start_ranks(trainer: Trainer, devices: int, device_ids: list[int] | None, nu
         env = launcher.ClusterEnvironment(
             dist.get_rank(), dist.get_rank(), dist.get_world_size(), dist.get_world_size(), 0, "", 0
         )
+    if env is None:
+        env = launcher.from_slurm(devices, num_nodes)  # under srun; checks its task count against both
     if env is None and devices * num_nodes > 1:
         if num_nodes > 1:
-            raise ValueError(f"num_nodes={num_nodes}: start each node with torchrun (see README)")
+            raise ValueError(f"num_nodes={num_nodes}: start each node with torchrun or srun (see README)")
+        slurm.warn_if_srun_unused(devices)
         env = launcher.launch_local_ranks(devices)
     if env is not None and env.world_size != devices * num_nodes and devices != 1:
         raise ValueError(

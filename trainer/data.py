@@ -1,7 +1,8 @@
 """Data loaders: every rank sees its own part of each epoch, with the user's batch size.
 
 Training keeps torch's and Lightning's habit: a DistributedSampler with the loader's shuffle setting, which repeats
-a few samples when the dataset does not divide by the world size (reported once, on rank 0). Evaluation must see
+a few samples when the dataset does not divide by the world size (reported once, on rank 0); it is one that can
+resume in the middle of an epoch exactly (resume_sampler.py). Evaluation must see
 every sample once, so it splits the dataset into contiguous shares without padding (`ShardSampler`); ranks may then
 have different numbers of batches, which `uneven.py` deals with.
 """
@@ -19,6 +20,8 @@ from torch.utils.data import (
     Sampler,
     SequentialSampler,
 )
+
+from .resume_sampler import ResumableSampler
 
 
 class ShardSampler(Sampler[int]):
@@ -70,13 +73,15 @@ def distributed_loader(
     if evaluation:
         sampler: Sampler = ShardSampler(len(loader.dataset), world_size, rank)
     else:
-        sampler = DistributedSampler(
+        sampler = ResumableSampler(
             loader.dataset,
             num_replicas=world_size,
             rank=rank,
             shuffle=isinstance(loader.sampler, RandomSampler),
             seed=seed,
             drop_last=loader.drop_last,
+            batch_size=loader.batch_size,
+            seed_batches=loader.num_workers > 0,
         )
     rebuilt = DataLoader(
         loader.dataset,

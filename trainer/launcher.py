@@ -1,4 +1,5 @@
-"""Where the ranks come from: a torchrun environment, or local ranks started by re-running this command.
+"""Where the ranks come from: a torchrun environment, srun's (SLURM, slurm.py), or local ranks started by
+re-running this command.
 
 `launch_local_ranks` turns a plain `python script.py` into rank 0 of N: it starts ranks 1..N-1 with the
 variables torchrun would set and supervises them, so that one failing rank ends the whole job within seconds:
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from . import slurm
 
 _PARENT_PID_VAR = "TRAINER_LAUNCHER_PARENT_PID"  # set only for the children that launch_local_ranks starts
 _START_DIR = os.getcwd()  # where the command was started: a script that changes directory is re-run from here
@@ -81,8 +84,25 @@ def detect_environment() -> ClusterEnvironment | None:
     )
 
 
-def launch_local_ranks(num_ranks: int) -> ClusterEnvironment:
-    """Start ranks 1..num_ranks-1 on this machine by re-running this command; return rank 0's environment.
+def from_slurm(devices: int, num_nodes: int) -> ClusterEnvironment | None:
+    """This task's rank under `srun` (trainer/slurm.py): one task per device is one rank; one task per node starts
+    its node's `devices` ranks here. None when srun did not start this process."""
+    task = slurm.detect()
+    if task is None:
+        return None
+    placed = slurm.place(task, devices, num_nodes)
+    if placed.local_ranks > 1:
+        return launch_local_ranks(placed.local_ranks, node_rank=placed.node, num_nodes=num_nodes,
+                                  master_addr=placed.master_addr, master_port=placed.master_port)
+    return ClusterEnvironment(placed.first_rank, placed.local_rank, placed.world_size, devices, placed.node,
+                              placed.master_addr, placed.master_port)
+
+
+def launch_local_ranks(num_ranks: int, node_rank: int = 0, num_nodes: int = 1, master_addr: str = "127.0.0.1",
+                       master_port: int | None = None) -> ClusterEnvironment:
+    """Start this node's ranks 1..num_ranks-1 by re-running this command; return local rank 0's environment. The
+    node is `node_rank` of `num_nodes` of `num_ranks` ranks each (one node, unless a SLURM task per node starts its
+    node's ranks), meeting at `master_addr`:`master_port` (a free port here when not given).
 
     The children run `sys.executable` with this process's original arguments (`python script.py ...` and
     `python -m pkg ...` both work) in the directory the command was started in (before any `os.chdir`).
@@ -95,8 +115,10 @@ def launch_local_ranks(num_ranks: int) -> ClusterEnvironment:
         raise RuntimeError("cannot start ranks from an interactive session: run a script, or use torchrun")
     if "_pytest" in sys.modules and "pytest" in sys.argv[0]:
         raise RuntimeError("starting ranks would re-run pytest: send the test body to the rank pool instead")
-    port = _free_port()
-    envs = [ClusterEnvironment(r, r, num_ranks, num_ranks, 0, "127.0.0.1", port) for r in range(num_ranks)]
+    port = master_port or _free_port()
+    first, world_size = node_rank * num_ranks, num_ranks * num_nodes
+    envs = [ClusterEnvironment(first + r, r, world_size, num_ranks, node_rank, master_addr, port)
+            for r in range(num_ranks)]
     os.environ.update(envs[0].to_environ())
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, _cpu_count() // num_ranks)

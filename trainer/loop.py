@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from .data import limit_batches, loader_length, set_epoch
 from .evaluation import evaluate, log_metrics, to_step
 from .nonfinite import nonfinite_losses
 from .optimizers import step_schedulers
+from .resume_sampler import start_at_batch
 from .seed import rng_state, set_rng_state
 from .uneven import Lookahead, report_unused
 
@@ -114,16 +116,9 @@ class StepRunner:
         t.metrics.stage = "train"
         set_epoch(self.train_loader, t.current_epoch)
         t._call("on_train_epoch_start")
-        batches = self._batches = self._epoch_batches()
-        skip = t.state.batches_done_in_epoch  # batches already trained before a mid-epoch resume
-        resume_rng = rng_state() if skip else None  # the checkpoint's; starting the loader and skipping draw
-        for batch_idx, batch in enumerate(batches):
+        for batch_idx, batch in self._epoch_batches(t.state.batches_done_in_epoch):
             if batch_idx >= t.num_training_batches:
                 break
-            if batch_idx < skip:
-                if batch_idx == skip - 1:
-                    set_rng_state(resume_rng)
-                continue
             with self._naming_the_step(batch_idx):
                 self.train_batch(batch, batch_idx)
                 if self._validation_due(batch_idx):
@@ -135,15 +130,31 @@ class StepRunner:
             if t.should_stop or (t.max_steps > 0 and t.global_step >= t.max_steps) or self.agreed.last_batch:
                 break
         if self.agreed.last_batch and self.strategy.distributed:
-            report_unused(batches, self.strategy, t.current_epoch, t.state.batches_done_in_epoch)
+            report_unused(self._batches, self.strategy, t.current_epoch, t.state.batches_done_in_epoch)
         self._end_train_epoch()
 
-    def _epoch_batches(self) -> Any:
-        """The loader, or for one without a length (an iterable dataset, whose ranks may run out at different
-        times) the loader looked ahead, so that each training_step's agreement says whether a rank ran out."""
+    def _epoch_batches(self, skip: int) -> Iterator[tuple[int, Any]]:
+        """(batch_idx, batch) of this epoch from batch `skip` on (the batches trained before a mid-epoch resume).
+        The sampler the Trainer built starts there, and the random state is the checkpoint's from the first batch
+        on (making the iterator draws from it); any other loader has the skipped batches loaded and dropped."""
         self.agreed = Agreement()
-        if loader_length(self.train_loader) is not None:
-            return self.train_loader
+        resume_rng = rng_state() if skip else None  # the checkpoint's
+        if loader_length(self.train_loader) is None:
+            self._batches = self._looked_ahead()
+        elif skip and start_at_batch(self.train_loader, skip):
+            self._batches = self.train_loader
+            batches = iter(self.train_loader)
+            set_rng_state(resume_rng)
+            return enumerate(batches, start=skip)
+        else:
+            self._batches = self.train_loader
+        if skip:
+            _warn_loading_skipped(self.train_loader, skip)
+        return _skipping(enumerate(self._batches), skip, resume_rng)
+
+    def _looked_ahead(self) -> Lookahead:
+        """A loader without a length (an iterable dataset, whose ranks may run out at different times), looked
+        ahead, so that each training_step's agreement says whether a rank ran out."""
         batches = Lookahead(self.train_loader)
         if self.strategy.distributed and not self.strategy.reduce_boolean_decision(batches.has_next):
             batches.close()  # some rank has no batch at all: the epoch is empty on every rank
@@ -272,8 +283,7 @@ class StepRunner:
             self._unsynced = False
         any_rank = lambda flag: self.strategy.reduce_boolean_decision(flag, all=False)  # noqa: E731
         if stepping and t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
-            with self.strategy.visible_gradients():
-                t._call("on_before_optimizer_step", self.optimizer)  # before clipping, as Lightning
+            t._call("on_before_optimizer_step", self.optimizer)  # before clipping, as Lightning
             if t.gradient_clip_val is not None:
                 stepping = self._clip_gradients(batch_idx)
             if stepping:
@@ -333,6 +343,31 @@ class StepRunner:
         t.metrics.forget_published()
         self.module.train()
         t.metrics.stage = "train"
+
+def _skipping(batches: Iterator[tuple[int, Any]], skip: int, resume_rng: dict | None) -> Iterator[tuple[int, Any]]:
+    """`batches` from batch `skip` on, the skipped ones loaded and dropped; the random state is set back to the
+    checkpoint's once they are (loading them drew from it)."""
+    for batch_idx, batch in batches:
+        if batch_idx < skip:
+            if batch_idx == skip - 1:
+                set_rng_state(resume_rng)
+            continue
+        yield batch_idx, batch
+
+
+def _warn_loading_skipped(loader: Any, skip: int) -> None:
+    """A mid-epoch resume with a loader the Trainer did not build loads the trained batches again to skip them;
+    with workers, their random state then differs from the uninterrupted run's."""
+    workers = getattr(loader, "num_workers", 0)
+    warnings.warn(
+        f"resuming in the middle of an epoch: the {skip} batches already trained are loaded again to skip them, "
+        "since the training loader's sampler is not one the Trainer built (a DataLoader with a sampler of your "
+        "own, use_distributed_sampler=False, or an iterable dataset)"
+        + (f"; with num_workers={workers}, random augmentation in the workers then differs from an uninterrupted "
+           "run" if workers else ""),
+        stacklevel=3,
+    )
+
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):

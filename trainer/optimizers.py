@@ -154,8 +154,7 @@ def manual_optimization(trainer: Trainer) -> None:
                          "unscale and may skip steps); use 'bf16-mixed', or automatic optimization")
 
     def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        with trainer.strategy.visible_gradients():
-            trainer._call("on_before_optimizer_step", optimizer)
+        trainer._call("on_before_optimizer_step", optimizer)
 
     def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         trainer.state.global_step += 1

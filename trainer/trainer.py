@@ -290,8 +290,7 @@ class Trainer:
         scaled = self.precision.scale_loss(loss)
         self._call("on_before_backward", scaled)
         scaled.backward()
-        with self.strategy.visible_gradients():
-            self._call("on_after_backward")
+        self._call("on_after_backward")
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:

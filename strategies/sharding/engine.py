@@ -27,9 +27,11 @@ from torch import nn
 
 from .collectives import CommStats, one_rank_collectives, wait
 from .forward import ForwardHooks
-from .gradients import read_used_flags
+from .gradients import ShardedGradients, read_used_flags
 from .groups import make_groups
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
+from .optimizer_record import mark_state_dicts
+from .sharded_gradient import GradientNorms, ShardedGradient
 from .spec import ZERO2, ShardingSpec, UnitOptions
 from .unit import ShardUnit
 from .units import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
@@ -67,13 +69,14 @@ class ShardingEngine:
         self._full_precision_units: set[str] = set()
         self.stats = CommStats()
         self.optimizers: list[torch.optim.Optimizer] = []
-        self._optimizer_params: dict[int, list[nn.Parameter]] = {}
+        self._optimizer_groups: dict[int, list[list[nn.Parameter]]] = {}  # the module's parameters, by group
         self.sync_gradients = True
         self.in_backward = False
         self._backward_queued = False
         self._broadcast_buffers()
         self.units = self._build_units(wrap_policy)
         self._unit_of_param = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._share_gradient_norms()
         self._reduce_order = self.units  # built in the order backward is expected to finish them
         self._next_reduce = 0
         if meta_ids or has_meta_buffers(module):
@@ -111,6 +114,13 @@ class ShardingEngine:
                 self._broadcast_params(params)
                 units.append(self._new_unit(name, params, module))
         return units
+
+    def _share_gradient_norms(self) -> None:
+        """The sharded gradients' placeholders combine their norms over the ranks, all units at once."""
+        stores = [u.grads for u in self.units if isinstance(u.grads, ShardedGradients)]
+        norms = GradientNorms(stores, self.groups, self.device)
+        for store in stores:
+            store.norms = norms
 
     def _with_norm_units(self, wrapped: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
         """Under mixed precision, normalization layers become units of their own kept in full precision
@@ -152,6 +162,9 @@ class ShardingEngine:
                 if p.requires_grad:
                     hook = functools.partial(_on_grad_ready, engine, unit_index, index)
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                    if self.spec.shard_gradients:
+                        self._hooks.append(p.register_hook(functools.partial(_drop_placeholder, engine, unit_index,
+                                                                             index)))
 
     def _register_zero_grad(self, owner: Any, params: list[torch.Tensor] | None) -> None:
         """`owner.zero_grad()` (the model's or an optimizer's) also clears the engine's gradients of `params`
@@ -257,7 +270,7 @@ class ShardingEngine:
         if optimizer.state:
             raise ValueError("configure_optimizers: the optimizer already has state; return a fresh optimizer")
         self.optimizers.append(optimizer)
-        self._optimizer_params[id(optimizer)] = params
+        self._optimizer_groups[id(optimizer)] = [list(group["params"]) for group in optimizer.param_groups]
         if self.spec.shard_optimizer_state:
             for group in optimizer.param_groups:
                 group["params"] = [shard for p in group["params"] if (shard := self.shard_of(p)) is not None]
@@ -265,12 +278,19 @@ class ShardingEngine:
         units = [u for u in self.units if any(id(p) in ids for p in u.params)]
         engine = weakref.ref(self)
 
+        def before_step(*_: Any) -> None:
+            for unit in units:
+                unit.grads.refresh()
+
         def after_step(*_: Any) -> None:
             if (live := engine()) is not None:
                 live.after_parameters_changed(units)
 
+        self._hooks.append(optimizer.register_step_pre_hook(before_step))
         self._hooks.append(optimizer.register_step_post_hook(after_step))
         self._register_zero_grad(optimizer, params)
+        if self.spec.shard_optimizer_state:  # its state_dict() is this rank's shard: say so (optimizer_record.py)
+            self._hooks += mark_state_dicts(self, optimizer)
         return optimizer
 
     @property
@@ -297,7 +317,14 @@ class ShardingEngine:
 
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The module's parameters `optimizer` steps (its own holds this rank's pieces of them)."""
-        return self._optimizer_params[id(optimizer)]
+        return [p for group in self.optimizer_groups(optimizer) for p in group]
+
+    def optimizer_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+        """The module's parameters in each group of `optimizer`, as the user made the groups."""
+        if id(optimizer) not in self._optimizer_groups:
+            raise ValueError("this optimizer was not given to strategy.setup_optimizer (call it with the optimizer "
+                             "first, and use the optimizer it returns)")
+        return self._optimizer_groups[id(optimizer)]
 
     def after_parameters_changed(self, units: list[ShardUnit] | None = None) -> None:
         """Bring every copy of the parameters up to date with the (just stepped or loaded) master shards."""
@@ -388,6 +415,16 @@ class _InstanceAttribute:
         owner = self.owner()
         if owner is not None and self.name in vars(owner):
             delattr(owner, self.name)
+
+
+def _drop_placeholder(engine: weakref.ref, unit_index: int, index: int, _grad: torch.Tensor) -> None:
+    """Before autograd accumulates a new gradient into `.grad`: a placeholder there is no gradient to add to (the
+    previous micro-batch's was reduced into the shard already), so autograd must find None."""
+    live = engine()
+    if live is not None:
+        param = live.units[unit_index].params[index]
+        if type(param.grad) is ShardedGradient:
+            param.grad = None
 
 
 def _on_grad_ready(engine: weakref.ref, unit_index: int, index: int, _param: torch.Tensor) -> None:

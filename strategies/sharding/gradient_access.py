@@ -1,12 +1,10 @@
 """What a user does with the gradients between backward and the optimizer step: read the tensors this rank's
-optimizer steps from, clip them (by the global norm over every rank, or by value), see them in backward hooks,
-and gather them in full for inspection."""
+optimizer steps from, clip them (by the global norm over every rank, or by value), and gather them in full for
+inspection. (What `.grad` of a parameter holds when gradients are sharded: sharded_gradient.py.)"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -48,18 +46,6 @@ def clip_grad_value_(engine: ShardingEngine, value: float, params: list[torch.Te
     clamps what it holds."""
     for grad in gradient_tensors(engine, params):
         grad.clamp_(-value, value)
-
-
-@contextmanager
-def visible_gradients(engine: ShardingEngine) -> Iterator[None]:
-    """While the user's backward hooks run: sharded gradients show as placeholders on `.grad`, not None."""
-    for unit in engine.units:
-        unit.grads.show()
-    try:
-        yield
-    finally:
-        for unit in engine.units:
-            unit.grads.hide()
 
 
 def full_gradients(engine: ShardingEngine) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .collectives import Work, all_reduce_sum, reduce_scatter_parts, wait
-from .placeholder import sharded_gradient
+from .sharded_gradient import GradientNorms, ShardedGradient, sharded_gradient
 
 if TYPE_CHECKING:
     from .unit import ShardUnit
@@ -39,8 +39,7 @@ class NoGradients:
     def tensors(self, indices: list[int] | None = None) -> list[torch.Tensor]:
         return []
 
-    def show(self) -> None: ...
-    def hide(self) -> None: ...
+    def refresh(self) -> None: ...
 
     def pending_flags(self) -> torch.Tensor | None:
         return None
@@ -65,6 +64,7 @@ class ReplicatedGradients:
     def _own_view(self) -> torch.Tensor:
         lo, hi = self._own_range
         master_dtype = self.unit.dtype
+        self._own_version = self.flat._version
         return self.flat[lo:hi] if self.flat.dtype == master_dtype else self.flat[lo:hi].to(master_dtype)
 
     @property
@@ -143,14 +143,21 @@ class ReplicatedGradients:
 
     def tensors(self, indices: list[int] | None = None) -> list[torch.Tensor]:
         """What this rank's optimizer steps from (all of it, or the parts of the parameters `indices`)."""
+        self.refresh()
         if indices is None:
             return [self.own]
         if self.unit.spec.shard_optimizer_state:
             return _piece_parts(self.own, self.unit.pieces, indices)
         return [self.views[i] for i in indices]
 
-    def show(self) -> None: ...  # `.grad` already holds the full averaged gradient
-    def hide(self) -> None: ...
+    def refresh(self) -> None:
+        """Under mixed precision the optimizer steps from a copy of this rank's slice in the master's dtype: when
+        `.grad` (a view of the bucket) was changed in place since, by torch's clip_grad_norm_ on the model's
+        parameters say, copy it again."""
+        if self.flat.dtype != self.unit.dtype and self.flat._version != self._own_version:
+            lo, hi = self._own_range
+            self.own.copy_(self.flat[lo:hi])
+            self._own_version = self.flat._version
 
 
 class ShardedGradients:
@@ -165,7 +172,9 @@ class ShardedGradients:
         self._work: Work = None
         self._output: torch.Tensor | None = None
         self._across_groups = False  # hybrid: the reduce-scatter is done, the all-reduce across groups in flight
-        self._placeholders: dict[int, torch.Tensor] = {}  # by parameter index: made once, shown at every step
+        self._placeholders: dict[int, ShardedGradient] = {}  # by parameter index: made once, shown at every step
+        self.norms: GradientNorms | None = None  # the engine's, shared by all its units (sharded_gradient.py)
+        self._generation = 0  # counts the shards this store has made: with the version, whether it changed
 
     @property
     def nbytes(self) -> int:
@@ -197,6 +206,9 @@ class ShardedGradients:
 
     def launch(self) -> None:
         unit = self.unit
+        for p in unit.params:  # placeholders of an earlier micro-batch are not gradients to send
+            if type(p.grad) is ShardedGradient:
+                p.grad = None
         self._output = torch.empty(unit.layout.shard_size + len(unit.params), dtype=unit.reduce_dtype,
                                    device=unit.device)
         self._work = reduce_scatter_parts(self._output, self._parts(), unit.groups.shard, unit.stats, async_op=True)
@@ -253,6 +265,7 @@ class ShardedGradients:
         self._used_on_device.append(reduced[size:] > 0)
         if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
             self.shard = reduced[:size].mul_(scale) if scale != 1.0 else reduced[:size]
+            self._generation += 1
         else:
             self.shard.add_(reduced[:size], alpha=scale)
 
@@ -278,7 +291,8 @@ class ShardedGradients:
         self._used_on_device.clear()
 
     def attach(self) -> None:
-        """Point each trainable shard parameter's `.grad` at its slice (None where no rank had a gradient)."""
+        """Point each trainable shard parameter's `.grad` at its slice, and give each parameter of the model a
+        placeholder `.grad` standing for its gradient (None where no rank had a gradient), as in one process."""
         self._settle()
         used = self.used.tolist()
         for piece in self.unit.pieces:
@@ -286,6 +300,7 @@ class ShardedGradients:
             if shard.requires_grad:
                 has = self.shard is not None and used[piece.param_index]
                 shard.grad = self.shard[piece.shard_offset : piece.shard_offset + piece.numel] if has else None
+        self._show(used)
 
     def zero(self, indices: list[int], set_to_none: bool = True) -> None:
         self._settle()
@@ -298,6 +313,7 @@ class ShardedGradients:
                         self.shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
             else:
                 self.shard = None  # as torch's zero_grad(set_to_none=True): no memory held between steps
+                self._generation += 1
         self.attach()
 
     def tensors(self, indices: list[int] | None = None) -> list[torch.Tensor]:
@@ -306,20 +322,33 @@ class ShardedGradients:
             return []
         return [self.shard] if indices is None else _piece_parts(self.shard, self.unit.pieces, indices)
 
-    def show(self) -> None:
-        """Give each parameter that has a gradient a `.grad` placeholder saying where the gradient is (this rank
-        holds only its shard), instead of None, while the user's hooks run."""
-        self._settle()
-        used = self.used.tolist()
+    def _show(self, used: list[bool]) -> None:
+        """`.grad` of each trainable parameter: a placeholder (sharded_gradient.py) where some rank had a gradient
+        since zero_grad, else None."""
         for index, p in enumerate(self.unit.params):
-            if self.unit.trainable[index] and used[index]:
-                if index not in self._placeholders:
-                    self._placeholders[index] = sharded_gradient(p, self.unit.param_names[index], self.unit.world_size)
-                p.grad = self._placeholders[index]
+            if self.unit.trainable[index]:
+                if used[index] and index not in self._placeholders:
+                    self._placeholders[index] = sharded_gradient(p, self.unit.param_names[index], self, index)
+                p.grad = self._placeholders[index] if used[index] else None
 
-    def hide(self) -> None:
-        for p in self.unit.params:
-            p.grad = None
+    def part(self, index: int) -> torch.Tensor:
+        """This rank's slice of parameter `index`'s averaged gradient (empty when it holds none of it)."""
+        self._settle()
+        parts = _piece_parts(self.shard, self.unit.pieces, [index]) if self.shard is not None else []
+        return parts[0] if parts else self.unit.master.new_empty(0)
+
+    def visible_indices(self) -> list[int]:
+        """The parameters whose `.grad` is a placeholder (the same on every rank)."""
+        self._settle()
+        return [i for i, (used, trainable) in enumerate(zip(self.used.tolist(), self.unit.trainable))
+                if used and trainable and self.shard is not None]
+
+    def state_token(self) -> tuple[int, int]:
+        """Changes whenever the gradient shard does (a new shard, or a write into it)."""
+        self._settle()
+        return self._generation, self.shard._version if self.shard is not None else -1
+
+    def refresh(self) -> None: ...
 
 
 def read_used_flags(stores: list) -> None:

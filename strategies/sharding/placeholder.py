@@ -118,25 +118,3 @@ def readable(params: Iterable[nn.Parameter]) -> Iterator[None]:
     finally:
         for p in marked:
             p.__class__ = ShardedParameter
-
-
-class ShardedGradient(_Refuses, torch.Tensor):
-    """What `.grad` of a parameter holds in the user's backward hooks when gradients are sharded (zero2, fsdp):
-    a placeholder of its shape, since this rank holds only its shard; reads say how to get the gradient."""
-
-    _sharded_name: str
-    _sharded_world_size: int
-
-    def refusal(self, operation: str) -> str:
-        return (f"the gradient of {self._sharded_name!r} is reduce-scattered: each of the {self._sharded_world_size} "
-                f"rank(s) holds only its shard, so it cannot be read here ({operation}). Read it in full with "
-                "trainer.strategy.full_gradients() (every rank), or use ddp / zero1, whose .grad is the full "
-                "averaged gradient.")
-
-
-def sharded_gradient(param: nn.Parameter, name: str, world_size: int) -> torch.Tensor:
-    """A ShardedGradient for `param` (no memory: one element seen at every position)."""
-    zero = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-    grad = torch.Tensor._make_subclass(ShardedGradient, zero)
-    grad._sharded_name, grad._sharded_world_size = name, world_size
-    return grad

@@ -30,8 +30,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from callbacks import Callback, ModelCheckpoint  # noqa: E402
+from strategies.checkpoint import format as ckpt_format  # noqa: E402
 from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
-from trainer.checkpoint import format as ckpt_format  # noqa: E402
 
 
 class Net(TrainModule):

@@ -17,11 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from strategies import FlatPieces
+from strategies.checkpoint.format import META, MODEL, unwrapped
+from strategies.checkpoint.planners import ShardLoadPlanner
+from strategies.checkpoint.source import Source, open_source
 
-from .format import META, MODEL, unwrapped
 from .load import assemble, read_meta_item, tied_keys, weight_keys
-from .planners import ShardLoadPlanner
-from .source import Source, open_source
 from .streamed_file import StreamedFullFile
 
 if TYPE_CHECKING:

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from strategies import FlatPieces
+from strategies.checkpoint import model_state
+from strategies.checkpoint.format import EMA, META, MODEL, RNG, TRAINER, optim_key
+from strategies.checkpoint.model_state import read_meta_item
+from strategies.checkpoint.source import Source, open_source
 
-from .format import EMA, META, MODEL, RNG, TRAINER, optim_key
-from .source import Source, open_source
-from .trainer_state import callbacks_sharded_targets, restore_trainer_state
+from .trainer_state import callbacks_sharded_targets, optimizers, restore_trainer_state
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -24,61 +25,20 @@ def restore(trainer: Trainer, path: str, weights_only: bool) -> None:
     source = open_source(path)
     meta = read_meta_item(source)
     same_world = meta.get("world_size") == trainer.world_size
-    objects = source.read({key: None for key in _objects_needed(source, trainer, weights_only, same_world)})
+    tops = set() if weights_only else {TRAINER, *([f"{RNG}.{trainer.global_rank}"] if same_world else [])}
+    keyed = [] if weights_only else optimizers(trainer)
+    objects = source.read({key: None for key in model_state.object_keys(source, tops | {k for k, _, _ in keyed})})
     if not weights_only and TRAINER not in objects:
         raise ValueError(
             f"ckpt_path={path!r} holds weights only; fit resumes from a checkpoint directory or from a file "
             "written by trainer.save_checkpoint(path, full=True)"
         )
-    optimizers = [] if weights_only else [_optimizer(source, objects, meta, i) for i in range(len(trainer.optimizers))]
-    check_compatible(trainer, source, meta, optimizers, path, weights_only)
-    plain: dict[str, Any] = {}
-    shards: dict[str, FlatPieces] = {}
-    for name, target in trainer.strategy.model_state_targets().items():
-        (shards if isinstance(target, FlatPieces) else plain)[f"{MODEL}.{name}"] = target
-    for optimizer, saved in zip(trainer.optimizers, optimizers):
-        for name, entries in trainer.strategy.optimizer_state_targets(optimizer, saved["state"]).items():
-            for key, target in entries.items():
-                (shards if isinstance(target, FlatPieces) else plain)[saved["keys"][name, key]] = target
-    for key, target in callbacks_sharded_targets(trainer, source).items():
-        (shards if isinstance(target, FlatPieces) else plain)[key] = target
-    source.read(plain, shards)
-    trainer.strategy.state_loaded()
-    for optimizer, saved in zip(trainer.optimizers, optimizers):
-        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-            group.update({k: v for k, v in saved_group.items() if k not in ("params", "param_names")})
+    saved = [model_state.saved_optimizer(source, objects, meta, key) for key, _, _ in keyed]
+    check_compatible(trainer, source, meta, saved, path, weights_only)
+    loading = [(optimizer, ckpt) for (_, optimizer, _), ckpt in zip(keyed, saved)]
+    model_state.read_into(trainer.strategy, source, MODEL, loading, callbacks_sharded_targets(trainer, source))
     if not weights_only:
         restore_trainer_state(trainer, objects[TRAINER], objects.get(f"{RNG}.{trainer.global_rank}"))
-
-
-def _objects_needed(source: Source, trainer: Trainer, weights_only: bool, same_world: bool) -> list[str]:
-    """The keys of the objects (not tensors) a resume reads besides meta: the trainer state, this rank's RNG
-    states (when the world size is the same), and the optimizers' parameter groups and non-tensor state."""
-    if weights_only:
-        return []
-    tops = {TRAINER, *([f"{RNG}.{trainer.global_rank}"] if same_world else [])}
-    tops |= {optim_key(i) for i in range(len(trainer.optimizers))}
-    return [k for k, p in source.paths.items() if k not in source.tensors and (k in tops or p[0] in tops)]
-
-
-def _optimizer(source: Source, objects: dict[str, Any], meta: dict[str, Any], index: int) -> dict[str, Any]:
-    """Optimizer `index` as saved: "state" (name -> key -> meta tensor or value), "keys" ((name, key) -> DCP key),
-    "param_groups" (list of dicts) and "class"."""
-    top = optim_key(index)
-    state: dict[str, dict[str, Any]] = {}
-    keys, groups = {}, {}
-    for key, path in source.paths.items():
-        if path[0] != top:
-            continue
-        value = source.tensors.get(key, objects.get(key))
-        if path[1] == "state":
-            state.setdefault(path[2], {})[path[3]] = value
-            keys[path[2], path[3]] = key
-        elif path[1] == "param_groups":
-            groups.setdefault(int(path[2]), {})[path[3]] = value
-    optimizers = meta.get("optimizers", [])
-    kind = optimizers[index]["class"] if index < len(optimizers) else None
-    return {"state": state, "keys": keys, "param_groups": [groups[j] for j in sorted(groups)], "class": kind}
 
 
 def check_compatible(
@@ -86,45 +46,16 @@ def check_compatible(
 ) -> None:
     """Every difference between the checkpoint and the model (and, unless `weights_only`, its optimizers),
     listed at once in one ValueError."""
-    expected = trainer.strategy.full_state_shapes()
-    saved = {p[1]: source.tensors[k] for k, p in source.paths.items() if p[0] == MODEL and k in source.tensors}
-    for alias, first in meta.get("aliases", {}).items():
-        saved.setdefault(alias, saved.get(first))
-    missing, unexpected = set(expected) - set(saved), set(saved) - set(expected)
-    problems = [f"missing: {key}" for key in sorted(missing)]
-    problems += [f"unexpected: {key}" for key in sorted(unexpected)]
-    for key in sorted(set(expected) & set(saved)):
-        shape, dtype = expected[key]
-        if list(saved[key].shape) != list(shape):
-            problems.append(f"shape of {key}: checkpoint {list(saved[key].shape)}, model {list(shape)}")
-        elif saved[key].dtype != dtype:
-            problems.append(f"dtype of {key}: checkpoint {saved[key].dtype}, model {dtype}")
-    if not weights_only:
-        problems += _optimizer_problems(trainer, meta, optimizers, missing | unexpected)
+    count = len(meta.get("optimizers", []))
+    if not weights_only and count != len(trainer.optimizers):
+        compared = []
+        extra = [f"optimizers: checkpoint {count}, module {len(trainer.optimizers)}"]
+    else:
+        compared = [] if weights_only else list(zip(trainer.optimizers, trainer.param_group_names, optimizers))
+        extra = []
+    problems = model_state.problems(trainer.strategy, source, meta, MODEL, compared) + extra
     if problems:
         raise ValueError(f"ckpt_path={path!r} does not fit this model:\n  " + "\n  ".join(problems))
-
-
-def _optimizer_problems(trainer: Trainer, meta: dict, saved: list[dict], reported: set[str]) -> list[str]:
-    """Differences in optimizer count, class, group count and the parameters of each group (names already
-    reported as missing or unexpected in the model are not repeated)."""
-    count = len(meta.get("optimizers", []))
-    if count != len(trainer.optimizers):
-        return [f"optimizers: checkpoint {count}, module {len(trainer.optimizers)}"]
-    problems = []
-    for i, (optimizer, names, ckpt) in enumerate(zip(trainer.optimizers, trainer.param_group_names, saved)):
-        kind = type(optimizer).__name__
-        if ckpt["class"] != kind:
-            problems.append(f"class of optimizer {i}: checkpoint {ckpt['class']}, module {kind}")
-        groups = ckpt["param_groups"]
-        if len(groups) != len(names):
-            problems.append(f"parameter groups of optimizer {i}: checkpoint {len(groups)}, module {len(names)}")
-            continue
-        for j, (group, group_names) in enumerate(zip(groups, names)):
-            ours, theirs = set(group_names) - reported, set(group.get("params", [])) - reported
-            problems += [f"missing in optimizer {i} group {j}: {n}" for n in sorted(ours - theirs)]
-            problems += [f"unexpected in optimizer {i} group {j}: {n}" for n in sorted(theirs - ours)]
-    return problems
 
 
 # ---- in one process ----------------------------------------------------------------------------------------
@@ -170,11 +101,6 @@ def load_checkpoint(path: str | os.PathLike, weights_only: bool = False) -> dict
 def tied_keys(meta: dict[str, Any]) -> set[str]:
     """The keys of the tied names of parameters ("model.<alias>"), which a checkpoint stores under the first name."""
     return {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}
-
-
-def read_meta_item(source: Source) -> dict[str, Any]:
-    """The checkpoint's "meta" ({} for a plain state dict)."""
-    return source.read({META: None})[META] if META in source.paths else {}
 
 
 def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from strategies.checkpoint import model_state
+from strategies.checkpoint.format import META, MODEL, RNG, TRAINER, optim_key
+
 from ..seed import set_rng_state
-from .format import FORMAT_VERSION, META, MODEL, RNG, TRAINER
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -34,18 +36,16 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
     }
 
 
+def optimizers(trainer: Trainer) -> model_state.Optimizers:
+    """The trainer's optimizers with their checkpoint keys and the parameter names of their groups."""
+    return [(optim_key(i), opt, names) for i, (opt, names) in enumerate(zip(trainer.optimizers,
+                                                                            trainer.param_group_names))]
+
+
 def meta(trainer: Trainer) -> dict[str, Any]:
     """What a checkpoint says about the run and its model: loading checks the model against it."""
-    return {
-        "format_version": FORMAT_VERSION,
-        "world_size": trainer.world_size,
-        "strategy": repr(trainer.strategy),
-        "global_step": trainer.global_step,
-        "epoch": trainer.current_epoch,
-        "aliases": trainer.strategy.parameter_aliases(),
-        "state_dict_keys": list(trainer.module.state_dict(keep_vars=True)),
-        "optimizers": [{"class": type(optimizer).__name__} for optimizer in trainer.optimizers],
-    }
+    described = model_state.describe(trainer.strategy, trainer.module, optimizers(trainer))
+    return {**described, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
 
 
 def is_callback_key(top: str) -> bool:

@@ -14,8 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from strategies import FlatPieces
-
+from ..sharding import FlatPieces
 from . import format
 from .format import META, MODEL, RNG, TRAINER, CheckpointError
 from .planners import ShardLoadPlanner

@@ -1,0 +1,59 @@
+"""A sharded optimizer's own `state_dict()` holds this rank's shard only: it says so, and `load_state_dict` refuses
+a shard of another rank or layout.
+
+The habit from DDP, saving `optimizer.state_dict()` on rank 0 and loading it on every rank, would otherwise give
+each rank rank 0's moments (same shapes, no error). The record names the rank, the number of ranks sharing the
+state and a fingerprint of the flat layout (which parameters, in which units, which slice this rank owns).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import ShardingEngine
+
+RECORD = "shardtrain_shard"  # the key added to a sharded optimizer's state_dict()
+
+
+def mark_state_dicts(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Add the record to `optimizer.state_dict()` and check it in `load_state_dict`; returns the hooks' handles."""
+    record = _record(engine, optimizer)
+
+    def add(_optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        return {**state_dict, RECORD: dict(record)}
+
+    def check(_optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        _check(record, state_dict.get(RECORD))
+        return {k: v for k, v in state_dict.items() if k != RECORD}
+
+    return [optimizer.register_state_dict_post_hook(add), optimizer.register_load_state_dict_pre_hook(check)]
+
+
+def _record(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    ids = {id(p) for p in engine.optimizer_parameters(optimizer)}
+    layout = [(unit.name, [n for n, p in zip(unit.param_names, unit.params) if id(p) in ids],
+               [list(s) for s in unit.layout.shapes], unit.layout.shard_range(unit.rank)) for unit in engine.units]
+    return {"rank": engine.rank, "ranks": engine.world_size,
+            "layout": f"{zlib.crc32(json.dumps(layout).encode()):08x}"}
+
+
+def _check(mine: dict[str, Any], saved: dict[str, Any] | None) -> None:
+    where = f"this optimizer steps rank {mine['rank']}'s shard of the optimizer state of {mine['ranks']} ranks"
+    advice = ("A sharded optimizer's state_dict() is one rank's shard. Save model and optimizer together with "
+              "strategy.save(path, {'model': model, 'optimizer': optimizer}) and restore them with "
+              "strategy.load(path, state), which reshards across strategies and world sizes; or let every rank "
+              "save and load its own state_dict() (a file per rank) under the same strategy and world size.")
+    if saved is None:
+        raise ValueError(f"optimizer.load_state_dict: {where}, but this state dict is not a shard (a whole "
+                         f"optimizer's, from one process or ddp?). {advice}")
+    if (saved.get("rank"), saved.get("ranks")) != (mine["rank"], mine["ranks"]):
+        raise ValueError(f"optimizer.load_state_dict: {where}, but this state dict holds rank {saved.get('rank')}'s "
+                         f"shard of {saved.get('ranks')} ranks. {advice}")
+    if saved.get("layout") != mine["layout"]:
+        raise ValueError(f"optimizer.load_state_dict: {where}, but this state dict is a shard of another layout "
+                         "(another model, wrap policy or strategy shards the parameters differently). " + advice)
