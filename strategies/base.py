@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec, gradient_access
 from .sharding import state_dict as engine_state
+from .sharding.init_record import InitRecord
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -41,6 +42,7 @@ class Strategy:
         the TrainModule holding parameters), a set of module classes or a callable (module, name) -> bool; each
         chosen module's forward is torch.compile'd in place, with `compile_options`."""
         self.engine: ShardingEngine | None = None
+        self._init_record: InitRecord | None = None  # of the last model built under model_init_context
         self.root_device = torch.device("cpu")
         self.world_size = 1
         self.global_rank = 0
@@ -130,7 +132,9 @@ class Strategy:
             self.connect(*_environment())
         # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
-        self.engine = ShardingEngine(module, self.spec, device=self.root_device, **self.engine_options())
+        record, self._init_record = self._init_record, None
+        self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record,
+                                     **self.engine_options())
         if self.compile is not None:
             compile_in_place(modules_to_compile(module, self.compile, self._units_to_compile(module)),
                              self.compile_options)

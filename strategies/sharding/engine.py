@@ -29,6 +29,7 @@ from .collectives import CommStats, one_rank_collectives, wait
 from .forward import ForwardHooks
 from .gradients import read_used_flags
 from .groups import make_groups
+from .init_record import InitRecord
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .spec import ZERO2, ShardingSpec, UnitOptions
 from .unit import ShardUnit
@@ -50,7 +51,9 @@ class ShardingEngine:
         unit_options: UnitOptions | None = None,
         forward_context: Callable[[], AbstractContextManager] | None = None,
         shard_group_size: int | None = None,
+        init_record: InitRecord | None = None,
     ) -> None:
+        """`init_record`: how the model's meta tensors were made (deferred_init.py); they are replayed exactly."""
         self.module, self.spec = module, spec
         self.unit_options = unit_options or UnitOptions()
         _check_options(spec, self.unit_options)
@@ -77,7 +80,8 @@ class ShardingEngine:
         self._reduce_order = self.units  # built in the order backward is expected to finish them
         self._next_reduce = 0
         if meta_ids or has_meta_buffers(module):
-            materialize(module, meta_ids, self.device, self._write_full_parameter, self.groups.everyone)
+            materialize(module, meta_ids, self.device, self._write_full_parameter, self.groups.everyone,
+                        init_record, [unit.params for unit in self.units])
         self._hooks: list[Any] = []  # removable handles of every hook the engine put on the model
         self._register_grad_hooks()
         self._register_zero_grad(module, None)
