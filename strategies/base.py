@@ -253,10 +253,13 @@ class Strategy:
     def parameter_aliases(self) -> dict[str, str]:
         return engine_state.parameter_aliases(self.engine.module)
 
-    def full_state_dict(self, rank_zero_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank_zero_only: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict, gathered unit by unit. Collective. Every rank gets it; with
-        `rank_zero_only` the other ranks get {} and hold at most one unit at a time."""
-        return engine_state.full_state_dict(self.engine, keep=self.is_global_zero or not rank_zero_only)
+        `rank_zero_only` the other ranks get {} and hold at most one unit at a time. With `trainable_only`, the
+        parameters that require grad and nothing else (a LoRA adapter, for peft's `save_pretrained(...,
+        state_dict=...)`): the frozen parameters are not gathered."""
+        keep = self.is_global_zero or not rank_zero_only
+        return engine_state.full_state_dict(self.engine, keep=keep, trainable_only=trainable_only)
 
     def full_state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return engine_state.full_state_shapes(self.engine)

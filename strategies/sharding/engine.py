@@ -353,11 +353,22 @@ class ShardingEngine:
             for unit, full in zip(units, fulls):
                 unit.hide_full(full, write_back)
 
-    def iter_full_parameters(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
-        """Unit by unit, the full parameter tensors in master precision (names of the first registration)."""
+    def iter_full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+        """Unit by unit, the full parameter tensors in master precision (names of the first registration); with
+        `trainable_only` the trainable ones, and only their segment is gathered (layout.py)."""
         for unit in self.units:
-            full = unit.full_flat if unit.master_is_in_full_flat else unit.gather_full_master()
-            yield unit.param_names, unit.layout.views(full)
+            if trainable_only and not any(unit.trainable):
+                continue
+            if unit.master_is_in_full_flat:
+                full = unit.full_flat
+            elif trainable_only:
+                with unit.naming_failures("all-gather of the trainable parameters"):
+                    full = unit.gather_full(unit.master[: unit.layout.trainable_shard_size])
+            else:
+                full = unit.gather_full_master()
+            views = unit.layout.views(full)
+            keep = [i for i, t in enumerate(unit.trainable) if t or not trainable_only]
+            yield [unit.param_names[i] for i in keep], [views[i] for i in keep]
 
     def _write_full_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
         unit, index = self._unit_of_param[id(param)]

@@ -44,6 +44,7 @@ def meta(trainer: Trainer) -> dict[str, Any]:
         "epoch": trainer.current_epoch,
         "aliases": trainer.strategy.parameter_aliases(),
         "state_dict_keys": list(trainer.module.state_dict(keep_vars=True)),
+        "trainable": [name for name, p in trainer.module.named_parameters() if p.requires_grad],
         "optimizers": [{"class": type(optimizer).__name__} for optimizer in trainer.optimizers],
     }
 
