@@ -265,15 +265,14 @@ def test_meta_init_equals_eager_init_and_materializes_shard_by_shard(rank_pool, 
         assert report["unsharded_in_flight"] == 0
         for name, kind, nbytes in got["placeholders"]:
             assert kind == "ShardedParameter" and nbytes == 0, (rank, name, kind, nbytes)
-        # During materialization: values are replayed one unit at a time, no unit is gathered, and the master
+        # During materialization: values are replayed a parameter at a time, no unit is gathered, and the master
         # shards are already this rank's 1/N; never the whole model.
         during = got["during"]
         assert len(during) == len(want)  # one record per parameter (no tied ones here)
         for record in during:
             assert record["unsharded_unit_bytes"] == 0, record
             assert record["master_bytes"] == shard_bytes, record
-        assert len(got["replayed"]) == len(units), got["replayed"]  # one replay per unit
-        assert sorted(got["replayed"]) == sorted(FP32_BYTES * n for n in units.values())
+        assert sorted(got["replayed"]) == sorted(FP32_BYTES * v.numel() for v in want.values())  # one at a time
         assert biggest_unit + shard_bytes < FP32_BYTES * total
         # Made on the meta device by hand, outside configure_model, without reset_parameters: nothing can
         # initialise it, and the error says which layer and what to do.

@@ -145,7 +145,8 @@ class ShardingEngine:
                 f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                 "wrap the modules of each dtype as separate units"
             )
-        return ShardUnit(name, params, self.spec, self.groups, self.stats, module, self.device, options)
+        return ShardUnit(name, params, self.spec, self.groups, self.stats, module, self.device, options,
+                         frozenset(self._meta_ids))
 
     def _register_grad_hooks(self) -> None:
         # A tensor's hooks are held from C++, where the garbage collector cannot see a cycle through them, so

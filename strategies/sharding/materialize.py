@@ -1,9 +1,9 @@
 """Meta-device initialisation: build the model without memory, then give each rank only its own shards.
 
-A model built under `deferred_init` (fsdp's `configure_model`) is materialized one unit at a time: the values of
-the unit's parameters are replayed from the record of their construction (init_record.py), exactly what the eager
-construction makes, rank 0's values are broadcast, each rank copies out the pieces it owns, and the full-size
-values are dropped. Peak memory is one unit's parameters on top of the shards. Buffers are replayed whole.
+A model built under `deferred_init` (fsdp's `configure_model`) is materialized unit by unit, a parameter at a
+time: its value is replayed from the record of its construction (init_record.py), exactly what the eager
+construction makes, rank 0's value is broadcast, each rank copies out the pieces it owns, and the full-size value
+is dropped. Peak memory is one parameter (at most one unit) on top of the shards. Buffers are replayed whole.
 
 Meta tensors that were not recorded (a model built on the meta device by hand) fall back to running each module's
 own initialisation (see `initialiser`), one module at a time.
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .init_record import InitRecord
+from .init_record import InitRecord, storage_key
 from .placeholder import readable
 
 
@@ -69,13 +69,20 @@ def materialize(
 
 def _replay_unit(params: list[nn.Parameter], meta_params: dict[int, torch.Tensor], record: InitRecord,
                  device: torch.device, write_back: Callable, group: object, done: set[int]) -> None:
-    todo = [p for p in params if id(p) in meta_params and id(p) not in done and record.covers(meta_params[id(p)])]
-    values = record.materialize([meta_params[id(p)] for p in todo])
-    for p, value in zip(todo, values):
-        value = value.to(device)
-        _broadcast(value, group)
-        write_back(p, value)
-        done.add(id(p))
+    """The unit's parameters, a storage at a time (parameters that view one storage together): each replayed,
+    broadcast from rank 0, written into this rank's pieces and dropped before the next."""
+    by_storage: dict[int, list[nn.Parameter]] = {}
+    for p in params:
+        if id(p) in meta_params and id(p) not in done and record.covers(meta_params[id(p)]):
+            by_storage.setdefault(storage_key(meta_params[id(p)]), []).append(p)
+    for group_params in by_storage.values():
+        values = record.materialize([meta_params[id(p)] for p in group_params])
+        for p, value in zip(group_params, values):
+            value = value.to(device)
+            _broadcast(value, group)
+            write_back(p, value)
+            done.add(id(p))
+        del values
 
 
 def _replay_buffers(root: nn.Module, record: InitRecord, device: torch.device, group: object) -> None:

@@ -42,7 +42,10 @@ class ShardUnit:
         module: nn.Module | None = None,
         device: torch.device | None = None,
         options: UnitOptions | None = None,
+        uninitialised: frozenset[int] = frozenset(),
     ) -> None:
+        """`uninitialised`: ids of parameters whose values are written later (made on the meta device: see
+        materialize.py); nothing is copied from them, so their unit's buffers stay untouched until then."""
         self.name, self.module, self.spec, self.groups, self.stats = name, module, spec, groups, stats
         self.rank, self.world_size = groups.rank, groups.size  # in the shard group
         self.param_names = [n for n, _ in params]
@@ -55,7 +58,7 @@ class ShardUnit:
         self.reduce_dtype = options.reduce_dtype or self.compute_dtype
         self.device = device or self.params[0].device
         self.shard_device = torch.device("cpu") if options.offload_to_cpu else self.device
-        self._build_parameter_buffers()
+        self._build_parameter_buffers(uninitialised)
         self._build_optimizer_shard()
         stores = {False: ReplicatedGradients, True: ShardedGradients}
         self.grads = stores[spec.shard_gradients](self) if any(self.trainable) else NoGradients()
@@ -67,7 +70,7 @@ class ShardUnit:
             self.reshard()
 
     # ---- construction -------------------------------------------------------------------------------
-    def _build_parameter_buffers(self) -> None:
+    def _build_parameter_buffers(self, uninitialised: frozenset[int]) -> None:
         """The flat buffer of full parameters (which every parameter becomes a view of) and, when optimizer
         state is sharded, this rank's master slice. With replicated parameters in full precision the owned slice
         of the full buffer is the master; under fsdp the full buffer is freed between uses, and under mixed
@@ -78,24 +81,27 @@ class ShardUnit:
             for lo, hi in self.layout.padding_ranges():
                 full[lo:hi].zero_()
             for view, p in zip(self.layout.views(full), self.params):
-                view.copy_(p.detach())  # (parameters made on the meta device are written later, materialize.py)
+                if id(p) not in uninitialised:
+                    view.copy_(p.detach())
         self.master_is_in_full_flat = not self.spec.shard_parameters and self.compute_dtype == self.dtype
         if self.master_is_in_full_flat and self.spec.shard_optimizer_state:  # (a bucket: one segment)
             lo, hi = self.layout.shard_range(self.rank)
             self.master = full[lo:hi]
         elif self.spec.shard_optimizer_state:
-            self.master = self._master_copy(torch.cat([full[lo:hi] for _, lo, hi in self.layout.owned(self.rank)]))
+            self.master = self._master_copy(full)
         self.full_flat = full.to(self.compute_dtype)
         self._full_views = self.layout.views(self.full_flat)  # made once: they outlive the storage's resizes
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
         self._point_params_at(self._full_views)
 
-    def _master_copy(self, shard: torch.Tensor) -> torch.Tensor:
-        """The master slice on its own: offloaded from a GPU it is in pinned host memory, so that gathering it
-        (`unshard`) is a copy that does not wait for the host."""
+    def _master_copy(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slices of `full`, on their own: offloaded from a GPU in pinned host memory, so that
+        gathering them (`unshard`) is a copy that does not wait for the host."""
         pinned = self.shard_device.type == "cpu" and self.device.type == "cuda"
-        master = torch.empty(shard.shape, dtype=shard.dtype, device=self.shard_device, pin_memory=pinned)
-        return master.copy_(shard)
+        master = torch.empty(self.layout.shard_size, dtype=full.dtype, device=self.shard_device, pin_memory=pinned)
+        for segment, lo, hi in self.layout.owned(self.rank):
+            master[segment.shard_start : segment.shard_start + segment.chunk].copy_(full[lo:hi])
+        return master
 
     def _point_params_at(self, views: list[torch.Tensor]) -> None:
         for view, p in zip(views, self.params):
