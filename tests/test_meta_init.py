@@ -13,8 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from strategies import FSDPStrategy
+from trainer import Trainer, TrainModule, seed_everything
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -124,3 +126,38 @@ def test_a_model_built_on_meta_under_fsdp_starts_exactly_as_built_eagerly(rank_p
         assert lora_b and all(not v.any() for v in lora_b)
     if name == "gpt2":  # the depth-scaled init of the residual projections, applied from the parent module
         assert got["transformer.h.0.attn.c_proj.weight"].std() < 0.75 * got["transformer.h.0.attn.c_attn.weight"].std()
+
+
+class GPT2Module(TrainModule):
+    def configure_model(self) -> None:
+        self.model = gpt2()
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_fit_start(self) -> None:
+        self.initial = self.trainer.strategy.full_state_dict(rank_zero_only=True)
+
+
+def body_trainer_bf16_true() -> dict | None:
+    seed_everything(SEED)
+    module = GPT2Module()
+    trainer = Trainer(strategy=FSDPStrategy(auto_wrap_policy=_units("gpt2")), devices=dist.get_world_size(),
+                      precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    tokens = torch.randint(0, 61, (4, 8), generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=2))
+    return module.initial if trainer.is_global_zero else None
+
+
+def test_the_trainer_builds_configure_model_on_meta_and_converts_it_exactly(rank_pool):
+    """The Trainer's route: configure_model under fsdp, then precision="bf16-true"'s conversion, both recorded."""
+    got = rank_pool(2).run(body_trainer_bf16_true)[0]
+    seed_everything(SEED)
+    want = {f"model.{k}": v for k, v in gpt2().to(torch.bfloat16).state_dict().items()}
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], v) for k, v in want.items())
