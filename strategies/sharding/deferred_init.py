@@ -64,8 +64,8 @@ class _Recording(TorchDispatchMode):
             return func(*args, **kwargs)  # real tensors in, real tensors out
         if _reads_values(func, args, kwargs):
             return func(*_replayed(self.record, args), **_replayed(self.record, kwargs))
-        if _device(kwargs) == CPU:
-            kwargs = {**kwargs, "device": META}  # the CPU is the meta device here
+        if _has_device(func) and _device(kwargs) in (None, CPU):
+            kwargs = {**kwargs, "device": META}  # the CPU (the default) is the meta device here
         return self.record.record(func, args, kwargs)
 
 
@@ -107,16 +107,20 @@ def _device(kwargs: dict) -> torch.device | None:
     return None if device is None else torch.device(device)
 
 
+def _has_device(func: Any) -> bool:
+    return any(a.name == "device" for a in func._schema.arguments)
+
+
 def _is_factory(func: Any, kwargs: dict) -> bool:
     """An op that makes a tensor from nothing, on the CPU (the default) or the meta device."""
-    has_device = any(a.name == "device" for a in func._schema.arguments)
-    return has_device and _device(kwargs) in (None, CPU, META)
+    return _has_device(func) and _device(kwargs) in (None, CPU, META)
 
 
 def _reads_values(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether `func` turns a meta tensor's value into something real: `.item()`, a copy to a GPU, a copy into a
-    real tensor."""
-    if func is aten._local_scalar_dense.default:
+    """Whether `func` turns a meta tensor's value into something real: `.item()`, `torch.equal`, a copy to a GPU,
+    a copy into a real tensor."""
+    returns = [str(r.type) for r in func._schema.returns]
+    if returns and not any("Tensor" in r for r in returns):  # a Python value (a scalar, a bool)
         return True
     if func is aten._to_copy.default and _device(kwargs) not in (None, CPU, META):
         return True
