@@ -23,6 +23,7 @@ from .checkpoint import loop_state
 from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec, gradient_access
 from .sharding import state_dict as engine_state
+from .sharding.init_record import InitRecord
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -43,6 +44,7 @@ class Strategy:
         the TrainModule holding parameters), a set of module classes or a callable (module, name) -> bool; each
         chosen module's forward is torch.compile'd in place, with `compile_options`."""
         self.engine: ShardingEngine | None = None
+        self._init_record: InitRecord | None = None  # of the last model built under model_init_context
         self.root_device = torch.device("cpu")
         self.world_size = 1
         self.global_rank = 0
@@ -132,7 +134,9 @@ class Strategy:
             self.connect(*_environment())
         # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
-        self.engine = ShardingEngine(module, self.spec, device=self.root_device, **self.engine_options())
+        record, self._init_record = self._init_record, None
+        self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record,
+                                     **self.engine_options())
         if self.compile is not None:
             compile_in_place(modules_to_compile(module, self.compile, self._units_to_compile(module)),
                              self.compile_options)
@@ -260,10 +264,13 @@ class Strategy:
     def parameter_aliases(self) -> dict[str, str]:
         return engine_state.parameter_aliases(self.engine.module)
 
-    def full_state_dict(self, rank_zero_only: bool = False) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank_zero_only: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict, gathered unit by unit. Collective. Every rank gets it; with
-        `rank_zero_only` the other ranks get {} and hold at most one unit at a time."""
-        return engine_state.full_state_dict(self.engine, keep=self.is_global_zero or not rank_zero_only)
+        `rank_zero_only` the other ranks get {} and hold at most one unit at a time. With `trainable_only`, the
+        parameters that require grad and nothing else (a LoRA adapter, for peft's `save_pretrained(...,
+        state_dict=...)`): the frozen parameters are not gathered."""
+        keep = self.is_global_zero or not rank_zero_only
+        return engine_state.full_state_dict(self.engine, keep=keep, trainable_only=trainable_only)
 
     def full_state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         return engine_state.full_state_shapes(self.engine)

@@ -3,6 +3,8 @@ all-gathered just before it computes and freed right after."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from .base import Strategy
 from .checkpointing import apply_activation_checkpointing
 from .options import MixedPrecision, check_hybrid_shard, check_mixed_precision, shard_group_size
 from .sharding import FULL_SHARD, UnitOptions
+from .sharding.deferred_init import deferred_init
 from .sharding.units import policy_modules
 from .wrap import resolve_wrap_policy
 
@@ -48,9 +51,13 @@ class FSDPStrategy(Strategy):
         self.mixed_precision = check_mixed_precision("FSDPStrategy", mixed_precision)
         self.hybrid_shard = check_hybrid_shard("FSDPStrategy", hybrid_shard)
 
-    def model_init_context(self) -> Any:
-        """configure_model builds on the meta device: no memory until each rank materializes its shards."""
-        return torch.device("meta")
+    @contextmanager
+    def model_init_context(self) -> Iterator[None]:
+        """configure_model builds on the meta device, recording how each tensor is made: no memory until each rank
+        materializes its shards, unit by unit, with exactly the values the eager construction makes."""
+        with deferred_init() as record:
+            self._init_record = record
+            yield
 
     def engine_options(self) -> dict[str, Any]:
         options = UnitOptions(self.mixed_precision.param_dtype, self.mixed_precision.reduce_dtype, self.cpu_offload)

@@ -94,34 +94,37 @@ def body_communication_per_step(accumulate: int) -> dict[str, tuple[dict[str, in
         engine_step(model, engine, opt, accumulate)
         engine.stats.reset()
         engine_step(model, engine, opt, accumulate)
-        sizes = {u.name: (u.layout.padded_total, len(u.params) if any(u.trainable) else 0) for u in engine.units}
+        sizes = {u.name: (u.layout.padded_total, u.layout.trainable_shard_size * u.world_size,
+                          len(u.params) if any(u.trainable) else 0) for u in engine.units}
         out[name] = dict(engine.stats.elements), sizes
     return out
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_communication_per_step_matches_theory(rank_pool, accumulate):
-    """Per optimizer step and rank, with P the padded parameter elements: ddp all-reduces 2P; zero1 all-reduces
-    2P and all-gathers the updated P; zero2 reduces its gradients every micro-batch and all-gathers P; fsdp
+    """Per optimizer step and rank, with P the padded parameter elements and T those of the trainable ones (a
+    frozen parameter has no gradient to reduce, nor updates to share): ddp all-reduces 2T; zero1 all-reduces
+    2T and all-gathers the updated T; zero2 reduces its gradients every micro-batch and all-gathers T; fsdp
     all-gathers every wrapped unit twice (forward, then again for backward since it was resharded) except the
     root unit (it stays unsharded from the start of forward to the end of backward, as in FSDP2) and the last
     unit of the forward (its backward comes first, so it is kept), which are gathered once, and reduces
     its gradients every micro-batch. Under no_sync (accumulation) ddp and zero1 do not communicate. A sharded
-    gradient reduction is a reduce-scatter of P (on gloo made of point-to-point messages). Every reduction
+    gradient reduction is a reduce-scatter of T (on gloo made of point-to-point messages). Every reduction
     carries one "used" flag per parameter (F in all; each rank's slice of a reduce-scatter has all of its unit's)."""
     N = 2
     for elements in rank_pool(N).run(body_communication_per_step, accumulate):
         assert set(elements) == set(SPECS)
         for name, (sent, sizes) in elements.items():
-            P = sum(size for size, _ in sizes.values())
-            F = sum(flags for _, flags in sizes.values())
+            P = sum(size for size, _, _ in sizes.values())
+            T = sum(trainable for _, trainable, _ in sizes.values())
+            F = sum(flags for _, _, flags in sizes.values())
             gathered_once = sizes[""][0] + sizes["blocks.1"][0] if name == "fsdp" else 0  # root and last unit
             expected = {
-                "ddp": {"all_reduce": 2 * (P + F)},
-                "zero1": {"all_reduce": 2 * (P + F), "all_gather": P},
-                "zero2": {"reduce_scatter": accumulate * (P + N * F), "all_gather": P},
+                "ddp": {"all_reduce": 2 * (T + F)},
+                "zero1": {"all_reduce": 2 * (T + F), "all_gather": T},
+                "zero2": {"reduce_scatter": accumulate * (T + N * F), "all_gather": T},
                 "fsdp": {"all_gather": accumulate * (2 * P - gathered_once),
-                         "reduce_scatter": accumulate * (P + N * F)},
+                         "reduce_scatter": accumulate * (T + N * F)},
             }[name]
             assert sent == expected, (name, sizes)
         fsdp_units = elements["fsdp"][1]
@@ -137,12 +140,14 @@ def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:
     engine.stats.reset()
     engine_step(model, engine, opt, 1)
     flags = sum(len(u.params) for u in engine.units if any(u.trainable))
-    return {**engine.stats.elements, "P": sum(u.layout.padded_total for u in engine.units), "F": flags}
+    trainable = sum(u.layout.trainable_shard_size * u.world_size for u in engine.units)
+    return {**engine.stats.elements, "P": sum(u.layout.padded_total for u in engine.units), "T": trainable,
+            "F": flags}
 
 
 def test_fsdp_without_reshard_after_forward_gathers_each_unit_once(rank_pool):
     for sent in rank_pool(2).run(body_fsdp_gathers_once_without_resharding):
-        assert sent["all_gather"] == sent["P"] and sent["reduce_scatter"] == sent["P"] + 2 * sent["F"]
+        assert sent["all_gather"] == sent["P"] and sent["reduce_scatter"] == sent["T"] + 2 * sent["F"]
 
 
 # ------------------------------------------------------------------------------------- memory (invariant 2)

@@ -1,10 +1,12 @@
-"""The examples run end to end: MNIST from idx files written here, the GPT quickstart at a tiny size."""
+"""The examples run end to end: MNIST from idx files written here, the GPT quickstart and the LoRA fine-tuning at a
+tiny size."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
 import io
+import math
 import os
 import re
 import struct
@@ -164,3 +166,22 @@ def test_gpt_quickstart_command_runs_tiny_on_two_ranks(tmp_path: Path) -> None:
     assert [e.step for e in scalars.Scalars("val/loss")] == [2, 4]
     checkpoints = [p.name for p in (tmp_path / "runs").rglob("checkpoints/*") if p.is_dir()]
     assert "last" in checkpoints and len(checkpoints) == 2, checkpoints
+
+
+def test_finetune_lora_example_runs_tiny_on_two_ranks(rank_pool, tmp_path: Path) -> None:
+    """examples/finetune_lora.py at a tiny size under fsdp: a pretrained folder made, the base loaded from it, the
+    adapter trained, saved by peft from rank 0 and loaded back in one process with the last validation's loss."""
+    pytest.importorskip("peft")
+    argv = ["--devices", "2", "--max-steps", "4", "--val-check-interval", "2", "--batch-size", "8", "--block-size",
+            "16", "--n-layer", "1", "--n-head", "2", "--hidden-size", "32", "--data-bytes", "100000",
+            "--val-windows", "17", "--pretrained", str(tmp_path / "pretrained"), "--adapter-dir",
+            str(tmp_path / "adapter"), "--root-dir", str(tmp_path / "runs")]
+    rank0, rank1 = rank_pool(2).run(_main_output, "finetune_lora", argv)
+    val_losses = [float(v) for v in re.findall(r"^step +\d+ +val/loss (\S+)$", rank0, re.MULTILINE)]
+    assert len(val_losses) == 2 and val_losses[-1] < math.log(256), rank0
+    assert "on 2 rank(s) with fsdp" in rank0 and rank1 == ""
+    held = [int(n) for n in re.search(r"trainable elements held per rank: \[(\d+), (\d+)\]", rank0).groups()]
+    assert abs(held[0] - held[1]) <= 0.1 * sum(held) / 2, held
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
+    reloaded = float(re.search(r"reloaded in one process .*: val/loss (\S+)", rank0).group(1))
+    assert reloaded == pytest.approx(val_losses[-1], abs=1e-4)  # the adapter as trained, on the pretrained base

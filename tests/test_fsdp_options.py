@@ -20,6 +20,7 @@ import strategies.sharding.gradients as unit_module
 from callbacks import Callback
 from strategies import FSDPStrategy, MixedPrecision
 from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions
+from strategies.sharding.init_record import InitRecord
 from tests.test_parity import (
     DIM,
     HIDDEN,
@@ -130,7 +131,7 @@ class MetaTiedLM(TiedLM):
 
 
 class Bare(nn.Module):
-    """A custom layer without reset_parameters: nothing can initialise it after meta construction."""
+    """A custom layer without reset_parameters: its constructor is all there is to initialise it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -143,6 +144,15 @@ class WithBare(MetaNet):
         self.bare = Bare()
 
 
+class WithBareOnMeta(MetaNet):
+    """Bare built on the meta device by hand, outside configure_model: nothing recorded how to make it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.bare = Bare()
+
+
 def eager(cls: type[TrainModule]) -> TrainModule:
     """The model built eagerly (configure_model outside any init context) right after seeding."""
     torch.manual_seed(SEED)
@@ -152,41 +162,46 @@ def eager(cls: type[TrainModule]) -> TrainModule:
 
 
 class MaterializeProbe:
-    """Wraps the engine's materialize: each time a parameter's full value is stored, record what this rank
-    holds: full-size parameter storage alive, unsharded unit buffers, master shards, and the bytes of the
-    parameters of the module being materialized."""
+    """Wraps the engine's materialization: each time values are replayed, the bytes they hold; each time a
+    parameter's full value is stored, what this rank holds besides: unsharded unit buffers, master shards, and the
+    parameters of the unit being materialized."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, int]] = []
+        self.replayed: list[int] = []
         self.original = engine_module.materialize
+        self.original_replay = InitRecord.materialize
 
     def __enter__(self) -> MaterializeProbe:
-        def probing(root, meta_shapes, device, write_back, group=None):
+        probe = self
+
+        def replaying(record, tensors):
+            values = probe.original_replay(record, tensors)
+            storages = {v.untyped_storage()._cdata: v.untyped_storage().nbytes() for v in values}
+            probe.replayed.append(sum(storages.values()))
+            return values
+
+        def probing(root, meta_params, device, write_back, group=None, record=None, units=None):
             engine = write_back.__self__
-            first_holder: dict[int, nn.Module] = {}
-            for module in root.modules():
-                for p in module._parameters.values():
-                    if p is not None:
-                        first_holder.setdefault(id(p), module)
 
             def recording(param, value):
-                module = first_holder[id(param)]
-                storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in root.parameters()}
+                unit, _ = engine._unit_of_param[id(param)]
                 self.records.append({
-                    "full_parameter_bytes": sum(n for n in storages.values() if n > FP32_BYTES),
-                    "module_bytes": sum(p.numel() * p.element_size() for p in module.parameters(recurse=False)),
+                    "unit_bytes": sum(p.numel() * p.element_size() for p in unit.params),
                     "unsharded_unit_bytes": sum(u.full_flat.untyped_storage().nbytes() for u in engine.units),
                     "master_bytes": sum(u.master.numel() * u.master.element_size() for u in engine.units),
                 })
                 write_back(param, value)
 
-            return self.original(root, meta_shapes, device, recording, group)
+            return self.original(root, meta_params, device, recording, group, record, units)
 
         engine_module.materialize = probing
+        InitRecord.materialize = replaying
         return self
 
     def __exit__(self, *exc) -> None:
         engine_module.materialize = self.original
+        InitRecord.materialize = self.original_replay
 
 
 def body_meta_init() -> dict:
@@ -199,18 +214,23 @@ def body_meta_init() -> dict:
     mixed = MetaNet()  # under mixed precision the placeholders are bf16; the initialisation must stay fp32
     fit(mixed, FSDPStrategy(auto_wrap_policy={MetaBlock}, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
         world, PER_RANK_BATCH, steps=1)
+    torch.manual_seed(SEED)
+    bare = WithBare()
+    fit(bare, FSDPStrategy(auto_wrap_policy={MetaBlock}), world, PER_RANK_BATCH, steps=1)
     try:
         torch.manual_seed(SEED)
-        fit(WithBare(), FSDPStrategy(auto_wrap_policy={MetaBlock}), world, PER_RANK_BATCH)
+        fit(WithBareOnMeta(), FSDPStrategy(auto_wrap_policy={MetaBlock}), world, PER_RANK_BATCH)
         missing = "no error"
     except ValueError as error:
         missing = str(error)
     return {
         "initial": module.initial,
         "initial_mixed": mixed.initial,
+        "initial_bare": bare.initial,
         "report": module.report,
         "placeholders": module.placeholders,
         "during": probe.records,
+        "replayed": probe.replayed,
         "final": trainer.strategy.full_state_dict(),
         "units": sorted(u.name for u in trainer.strategy.engine.units),
         "missing_reset": missing,
@@ -221,14 +241,13 @@ def body_meta_init() -> dict:
 def test_meta_init_equals_eager_init_and_materializes_shard_by_shard(rank_pool, world_size):
     ranks = rank_pool(world_size).run(body_meta_init)
     want = eager(MetaNet).state_dict()
+    want_bare = eager(WithBare).state_dict()
     block = sum(p.numel() for p in MetaBlock().parameters())
     total = sum(p.numel() for p in want.values())
     units = {"blocks.0": block, "blocks.1": block, "": total - 2 * block}
     assert (block, total) == (106, 343)
     shard_bytes = FP32_BYTES * sum(math.ceil(n / world_size) for n in units.values())
-    biggest_module = FP32_BYTES * max(
-        sum(p.numel() for p in m.parameters(recurse=False)) for m in eager(MetaNet).modules()
-    )
+    biggest_unit = FP32_BYTES * max(units.values())
     for rank, got in enumerate(ranks):
         assert got["units"] == sorted(units)
         # Exactly the eager model's weights, on every rank, although rank r was seeded with SEED + r.
@@ -236,6 +255,9 @@ def test_meta_init_equals_eager_init_and_materializes_shard_by_shard(rank_pool, 
         for key, value in want.items():
             assert torch.equal(got["initial"][key], value), (rank, key)
             assert torch.equal(got["initial_mixed"][key], value), (rank, "mixed precision", key)
+        # A layer without reset_parameters gets what its constructor made (torch.randn), as eagerly.
+        for key, value in want_bare.items():
+            assert torch.equal(got["initial_bare"][key], value), (rank, "bare", key)
         # After setup each rank holds its padded 1/N of the parameters (and gradients), nothing unsharded.
         report = got["report"]
         assert report["parameters"] == shard_bytes, (rank, report)
@@ -243,19 +265,19 @@ def test_meta_init_equals_eager_init_and_materializes_shard_by_shard(rank_pool, 
         assert report["unsharded_in_flight"] == 0
         for name, kind, nbytes in got["placeholders"]:
             assert kind == "ShardedParameter" and nbytes == 0, (rank, name, kind, nbytes)
-        # During materialization: only the module being initialised has full-size storage, no unit is
-        # gathered, and the master shards are already this rank's 1/N; never the whole model.
+        # During materialization: values are replayed a parameter at a time, no unit is gathered, and the master
+        # shards are already this rank's 1/N; never the whole model.
         during = got["during"]
         assert len(during) == len(want)  # one record per parameter (no tied ones here)
         for record in during:
-            assert 0 < record["full_parameter_bytes"] <= record["module_bytes"] <= biggest_module, record
             assert record["unsharded_unit_bytes"] == 0, record
             assert record["master_bytes"] == shard_bytes, record
-        assert max(r["full_parameter_bytes"] for r in during) == biggest_module
-        assert biggest_module + shard_bytes < FP32_BYTES * total
-        # Nothing can initialise a meta layer without reset_parameters: a clear error that names it.
+        assert sorted(got["replayed"]) == sorted(FP32_BYTES * v.numel() for v in want.values())  # one at a time
+        assert biggest_unit + shard_bytes < FP32_BYTES * total
+        # Made on the meta device by hand, outside configure_model, without reset_parameters: nothing can
+        # initialise it, and the error says which layer and what to do.
         message = got["missing_reset"]
-        assert "'bare'" in message and "Bare" in message and "reset_parameters" in message, message
+        assert "'bare'" in message and "Bare" in message and "configure_model" in message, message
     # The materialized model trains like the eager one on one process.
     torch.manual_seed(SEED)
     reference = fit(MetaNet(), "single", 1, PER_RANK_BATCH * world_size).strategy.full_state_dict()

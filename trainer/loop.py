@@ -95,12 +95,13 @@ class StepRunner:
         self._log_memory()
 
     def _log_memory(self) -> None:
-        """Every rank's memory report (memory/rank<r>/<kind>_MiB), at the start and at each epoch's end."""
+        """Every rank's memory report (memory/rank<r>/<kind>_MiB, and memory/rank<r>/trainable_elements), at the
+        start and at each epoch's end."""
         t = self.trainer
         if t.logger is None:  # the same on every rank: nothing to gather for
             return
         reports = self.strategy.all_gather_object(self.strategy.memory_report())
-        metrics = {f"memory/rank{r}/{k}_MiB": v / 2**20 for r, report in enumerate(reports) for k, v in report.items()}
+        metrics = dict(_memory_metric(r, k, v) for r, report in enumerate(reports) for k, v in report.items())
         if t.is_global_zero:
             t.logger.log_metrics(metrics, step=t.global_step)
 
@@ -373,3 +374,10 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
     return type(value).__name__
+
+
+def _memory_metric(rank: int, kind: str, value: int) -> tuple[str, float]:
+    """A memory report's entry as a logged metric: bytes in MiB, counts of elements as they are."""
+    if kind.endswith("_elements"):
+        return f"memory/rank{rank}/{kind}", value
+    return f"memory/rank{rank}/{kind}_MiB", value / 2**20

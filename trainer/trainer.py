@@ -274,11 +274,11 @@ class Trainer:
         if module is self.module:
             return module
         self.module = module
-        with self.strategy.model_init_context():
+        with self.strategy.model_init_context():  # (fsdp: on meta, recorded; the dtype conversion too)
             module.configure_model()
+            self.precision.convert_module(module)
         if self.sync_batchnorm:
             module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        self.precision.convert_module(module)
         if self.compile and self.strategy.compile is None:
             self.strategy.compile = True  # the strategy's units (see strategies/compile.py)
         self.strategy.setup_module(module)

@@ -48,6 +48,7 @@ def describe(strategy: Strategy, module: nn.Module, optimizers: Optimizers) -> d
         "strategy": repr(strategy),
         "aliases": strategy.parameter_aliases(),
         "state_dict_keys": list(module.state_dict(keep_vars=True)),
+        "trainable": [name for name, p in module.named_parameters() if p.requires_grad],
         "optimizers": [{"class": type(optimizer).__name__} for _, optimizer, _ in optimizers],
     }
 

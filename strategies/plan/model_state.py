@@ -107,8 +107,9 @@ def plan_units(
         if params:
             dtype = params[0][1].dtype
             compute = dtype if param_dtype is None or name in norm_units else param_dtype
-            layout = FlatLayout([p.shape for _, p in params], world_size)
-            units.append(PlannedUnit(name, layout, tuple(p.requires_grad for _, p in params), dtype, compute))
+            trainable = tuple(p.requires_grad for _, p in params)
+            layout = FlatLayout([p.shape for _, p in params], world_size, list(trainable))
+            units.append(PlannedUnit(name, layout, trainable, dtype, compute))
     return units
 
 
@@ -117,7 +118,7 @@ def _unit_bytes(unit: PlannedUnit, spec: ShardingSpec, rank: int, states: int,
     """(parameters, gradients, optimizer) bytes of one unit on `rank`; see the module's table."""
     layout, master = unit.layout, unit.dtype.itemsize
     owned = unit.trainable_elements(rank if spec.shard_optimizer_state else None)
-    grad_elements = (layout.shard_size if spec.shard_gradients else layout.padded_total) * unit.has_trainable
+    grad_elements = layout.trainable_shard_size if spec.shard_gradients else layout.padded_total * unit.has_trainable
     if spec.shard_parameters:
         return layout.shard_size * master, grad_elements * master, states * owned * master
     if unit.compute_dtype == unit.dtype:
@@ -141,7 +142,8 @@ def units_in_flight(units: list[PlannedUnit], spec: ShardingSpec) -> int:
     gradients. ddp and
     zero1: none (gradients go straight into their buckets)."""
     full = {id(u): u.layout.padded_total * u.compute_dtype.itemsize for u in units}
-    grads = [full[id(u)] for u in units if u.has_trainable]
+    size = lambda u: u.layout.trainable_shard_size * u.layout.world_size * u.compute_dtype.itemsize  # noqa: E731
+    grads = [size(u) for u in units if u.has_trainable]  # autograd's .grad of the trainable parameters
     if spec.shard_parameters:
         root = sum(full[id(u)] for u in units if u.name == "")
         others = sorted((full[id(u)] for u in units if u.name != ""), reverse=True)[:PREFETCHED_UNITS]

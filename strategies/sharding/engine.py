@@ -29,6 +29,7 @@ from .collectives import CommStats, one_rank_collectives, wait
 from .forward import ForwardHooks
 from .gradients import ShardedGradients, read_used_flags
 from .groups import make_groups
+from .init_record import InitRecord
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .optimizer_record import mark_state_dicts
 from .sharded_gradient import GradientNorms, ShardedGradient
@@ -52,7 +53,9 @@ class ShardingEngine:
         unit_options: UnitOptions | None = None,
         forward_context: Callable[[], AbstractContextManager] | None = None,
         shard_group_size: int | None = None,
+        init_record: InitRecord | None = None,
     ) -> None:
+        """`init_record`: how the model's meta tensors were made (deferred_init.py); they are replayed exactly."""
         self.module, self.spec = module, spec
         self.unit_options = unit_options or UnitOptions()
         _check_options(spec, self.unit_options)
@@ -80,7 +83,8 @@ class ShardingEngine:
         self._reduce_order = self.units  # built in the order backward is expected to finish them
         self._next_reduce = 0
         if meta_ids or has_meta_buffers(module):
-            materialize(module, meta_ids, self.device, self._write_full_parameter, self.groups.everyone)
+            materialize(module, meta_ids, self.device, self._write_full_parameter, self.groups.everyone,
+                        init_record, [unit.params for unit in self.units])
         self._hooks: list[Any] = []  # removable handles of every hook the engine put on the model
         self._register_grad_hooks()
         self._register_zero_grad(module, None)
@@ -151,7 +155,8 @@ class ShardingEngine:
                 f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                 "wrap the modules of each dtype as separate units"
             )
-        return ShardUnit(name, params, self.spec, self.groups, self.stats, module, self.device, options)
+        return ShardUnit(name, params, self.spec, self.groups, self.stats, module, self.device, options,
+                         frozenset(self._meta_ids))
 
     def _register_grad_hooks(self) -> None:
         # A tensor's hooks are held from C++, where the garbage collector cannot see a cycle through them, so
@@ -376,11 +381,22 @@ class ShardingEngine:
             for unit, full in zip(units, fulls):
                 unit.hide_full(full, write_back)
 
-    def iter_full_parameters(self) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
-        """Unit by unit, the full parameter tensors in master precision (names of the first registration)."""
+    def iter_full_parameters(self, trainable_only: bool = False) -> Iterator[tuple[list[str], list[torch.Tensor]]]:
+        """Unit by unit, the full parameter tensors in master precision (names of the first registration); with
+        `trainable_only` the trainable ones, and only their segment is gathered (layout.py)."""
         for unit in self.units:
-            full = unit.full_flat if unit.master_is_in_full_flat else unit.gather_full_master()
-            yield unit.param_names, unit.layout.views(full)
+            if trainable_only and not any(unit.trainable):
+                continue
+            if unit.master_is_in_full_flat:
+                full = unit.full_flat
+            elif trainable_only:
+                with unit.naming_failures("all-gather of the trainable parameters"):
+                    full = unit.gather_full(unit.master[: unit.layout.trainable_shard_size])
+            else:
+                full = unit.gather_full_master()
+            views = unit.layout.views(full)
+            keep = [i for i, t in enumerate(unit.trainable) if t or not trainable_only]
+            yield [unit.param_names[i] for i in keep], [views[i] for i in keep]
 
     def _write_full_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
         unit, index = self._unit_of_param[id(param)]

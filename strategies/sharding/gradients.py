@@ -175,10 +175,12 @@ class ShardedGradients:
         self._placeholders: dict[int, ShardedGradient] = {}  # by parameter index: made once, shown at every step
         self.norms: GradientNorms | None = None  # the engine's, shared by all its units (sharded_gradient.py)
         self._generation = 0  # counts the shards this store has made: with the version, whether it changed
+        self.size = unit.layout.trainable_shard_size  # the gradient shard covers the trainable segment only
+        self.pieces = [p for p in unit.pieces if unit.trainable[p.param_index]]
 
     @property
     def nbytes(self) -> int:
-        return self.unit.layout.shard_size * self.unit.master.element_size()
+        return self.size * self.unit.master.element_size()
 
     def on_grad_ready(self, index: int) -> None: ...  # gradients wait in `.grad` for their reduction
 
@@ -191,16 +193,18 @@ class ShardedGradients:
                            [p.grad is not None for p in unit.params])
         parts = []
         for pieces in unit.pieces_by_rank:
-            rank_parts = []
-            for piece in pieces:
+            rank_parts, filled = [], 0
+            for piece in (p for p in pieces if unit.trainable[p.param_index]):
+                if piece.shard_offset > filled:  # padding at the end of a chunk
+                    rank_parts.append(torch.zeros(piece.shard_offset - filled, dtype=dtype, device=device))
                 grad = unit.params[piece.param_index].grad
                 if grad is None:
                     rank_parts.append(torch.zeros(piece.numel, dtype=dtype, device=device))
                 else:
                     rank_parts.append(grad.reshape(-1)[piece.start : piece.end].to(dtype))
-            filled = sum(piece.numel for piece in pieces)
-            if filled < unit.layout.shard_size:
-                rank_parts.append(torch.zeros(unit.layout.shard_size - filled, dtype=dtype, device=device))
+                filled = piece.shard_offset + piece.numel
+            if filled < self.size:
+                rank_parts.append(torch.zeros(self.size - filled, dtype=dtype, device=device))
             parts.append([*rank_parts, flags])
         return parts
 
@@ -209,7 +213,7 @@ class ShardedGradients:
         for p in unit.params:  # placeholders of an earlier micro-batch are not gradients to send
             if type(p.grad) is ShardedGradient:
                 p.grad = None
-        self._output = torch.empty(unit.layout.shard_size + len(unit.params), dtype=unit.reduce_dtype,
+        self._output = torch.empty(self.size + len(unit.params), dtype=unit.reduce_dtype,
                                    device=unit.device)
         self._work = reduce_scatter_parts(self._output, self._parts(), unit.groups.shard, unit.stats, async_op=True)
 
@@ -261,7 +265,7 @@ class ShardedGradients:
 
     def _add(self, reduced: torch.Tensor) -> None:
         """Fold one averaged reduction (this rank's slice, then the used flags) into the gradient shard."""
-        size, scale = self.unit.layout.shard_size, 1.0 / self.unit.groups.data_parallel_size
+        size, scale = self.size, 1.0 / self.unit.groups.data_parallel_size
         self._used_on_device.append(reduced[size:] > 0)
         if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
             self.shard = reduced[:size].mul_(scale) if scale != 1.0 else reduced[:size]
@@ -295,7 +299,7 @@ class ShardedGradients:
         placeholder `.grad` standing for its gradient (None where no rank had a gradient), as in one process."""
         self._settle()
         used = self.used.tolist()
-        for piece in self.unit.pieces:
+        for piece in self.pieces:
             shard = self.unit.shard_params[piece.param_index]
             if shard.requires_grad:
                 has = self.shard is not None and used[piece.param_index]
@@ -308,7 +312,7 @@ class ShardedGradients:
             self.used[indices] = False
         if self.shard is not None:
             if not set_to_none or self.used.any():
-                for piece in self.unit.pieces:
+                for piece in self.pieces:
                     if piece.param_index in indices:
                         self.shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
             else:
@@ -320,7 +324,7 @@ class ShardedGradients:
         self._settle()
         if self.shard is None:
             return []
-        return [self.shard] if indices is None else _piece_parts(self.shard, self.unit.pieces, indices)
+        return [self.shard] if indices is None else _piece_parts(self.shard, self.pieces, indices)
 
     def _show(self, used: list[bool]) -> None:
         """`.grad` of each trainable parameter: a placeholder (sharded_gradient.py) where some rank had a gradient
@@ -334,7 +338,7 @@ class ShardedGradients:
     def part(self, index: int) -> torch.Tensor:
         """This rank's slice of parameter `index`'s averaged gradient (empty when it holds none of it)."""
         self._settle()
-        parts = _piece_parts(self.shard, self.unit.pieces, [index]) if self.shard is not None else []
+        parts = _piece_parts(self.shard, self.pieces, [index]) if self.shard is not None else []
         return parts[0] if parts else self.unit.master.new_empty(0)
 
     def visible_indices(self) -> list[int]:

@@ -1,10 +1,15 @@
-"""Where every parameter lives in a unit's flat buffer, and which slice of it each rank owns.
+"""Where every parameter lives in a unit's flat buffer, and which slices of it each rank owns.
 
-A unit's parameters are laid end to end in one flat buffer, padded at the end to a multiple of the world size.
-Rank r owns the contiguous slice [r * shard_size, (r + 1) * shard_size). The unsharded parameters are views into
-the flat buffer, so an all-gather writes them directly; a replicated gradient bucket of the same layout is
-all-reduced in place, and sharded gradients are sent piece by piece (`pieces`) to the ranks that own them.
-A parameter may straddle two ranks' slices: each rank then holds a piece of it.
+A unit's parameters are laid end to end in one flat buffer, in segments: its trainable parameters first, then its
+frozen ones (one segment when they are all of a kind). Each segment is padded to a multiple of the world size and
+split evenly: rank r owns the r-th of its N equal chunks, and its shard is its chunks of every segment, end to end.
+Splitting each kind on its own keeps a few small trainable tensors (LoRA adapters beside a frozen base) from all
+landing in one rank's slice: every rank holds about 1/N of the trainable elements, and so of the optimizer state
+and of the step's work. The gradient shard covers the trainable segment only (the start of the shard).
+
+The unsharded parameters are views into the flat buffer, so an all-gather (one per segment) writes them directly;
+a replicated gradient bucket of the same layout is all-reduced in place, and sharded gradients are sent piece by
+piece (`pieces`) to the ranks that own them. A parameter may straddle two ranks' chunks: each then holds a piece.
 """
 
 from __future__ import annotations
@@ -28,37 +33,82 @@ class Piece:
         return self.end - self.start
 
 
-class FlatLayout:
-    """Offsets of a list of parameters in a flat buffer split evenly across `world_size` ranks."""
+@dataclass(frozen=True)
+class Segment:
+    """Parameters of one kind, end to end from `start` in the flat buffer, padded to `chunk` elements per rank:
+    rank r owns [start + r * chunk, start + (r + 1) * chunk), at `shard_start` in its shard."""
 
-    def __init__(self, shapes: list[torch.Size], world_size: int) -> None:
+    params: tuple[int, ...]
+    trainable: bool
+    start: int
+    chunk: int
+    shard_start: int
+
+    def owned(self, rank: int) -> tuple[int, int]:
+        return self.start + rank * self.chunk, self.start + (rank + 1) * self.chunk
+
+
+class FlatLayout:
+    """Offsets of a list of parameters in a flat buffer split evenly across `world_size` ranks, each kind
+    (`trainable` flags, default all trainable) in a segment of its own."""
+
+    def __init__(self, shapes: list[torch.Size], world_size: int, trainable: list[bool] | None = None) -> None:
         self.shapes = list(shapes)
         self.numels = [s.numel() for s in self.shapes]
-        self.offsets = []
-        total = 0
-        for n in self.numels:
-            self.offsets.append(total)
-            total += n
         self.world_size = world_size
-        self.total = total
-        self.shard_size = -(-total // world_size) if total else 0
-        self.padded_total = self.shard_size * world_size
+        trainable = [True] * len(self.shapes) if trainable is None else list(trainable)
+        self.offsets = [0] * len(self.shapes)
+        self.segments: list[Segment] = []
+        start = shard_start = 0
+        for kind in (True, False):
+            params = tuple(i for i, t in enumerate(trainable) if t == kind)
+            if not params:
+                continue
+            size = 0
+            for i in params:
+                self.offsets[i] = start + size
+                size += self.numels[i]
+            chunk = -(-size // world_size)
+            self.segments.append(Segment(params, kind, start, chunk, shard_start))
+            start += chunk * world_size
+            shard_start += chunk
+        self.total = sum(self.numels)
+        self.padded_total = start
+        self.shard_size = shard_start
+        # The gradient shard: the trainable segment's chunk, at the start of the shard.
+        self.trainable_shard_size = sum(s.chunk for s in self.segments if s.trainable)
 
     @property
     def padding(self) -> int:
         return self.padded_total - self.total
 
     def shard_range(self, rank: int) -> tuple[int, int]:
+        """The one slice `rank` owns in a layout of one segment (a replicated bucket's)."""
+        assert len(self.segments) <= 1, "a layout of several segments has a slice per segment (owned)"
         return rank * self.shard_size, (rank + 1) * self.shard_size
 
-    def pieces(self, rank: int) -> list[Piece]:
-        """The non-empty pieces of parameters that `rank` owns, in flat order."""
-        lo, hi = self.shard_range(rank)
+    def owned(self, rank: int) -> list[tuple[Segment, int, int]]:
+        """(segment, first, one past the last element) of each slice `rank` owns in the flat buffer."""
+        return [(s, *s.owned(rank)) for s in self.segments]
+
+    def padding_ranges(self) -> list[tuple[int, int]]:
+        """The ranges of the flat buffer that hold no parameter (each segment's end)."""
         out = []
-        for i, (off, n) in enumerate(zip(self.offsets, self.numels)):
-            start, end = max(lo, off), min(hi, off + n)
-            if start < end:
-                out.append(Piece(i, start - off, end - off, start - lo))
+        for s in self.segments:
+            used = sum(self.numels[i] for i in s.params)
+            if used < s.chunk * self.world_size:
+                out.append((s.start + used, s.start + s.chunk * self.world_size))
+        return out
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The non-empty pieces of parameters that `rank` owns, in the order of its shard."""
+        out = []
+        for segment, lo, hi in self.owned(rank):
+            for i in segment.params:
+                off, n = self.offsets[i], self.numels[i]
+                start, end = max(lo, off), min(hi, off + n)
+                if start < end:
+                    out.append(Piece(i, start - off, end - off, segment.shard_start + start - lo))
         return out
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:

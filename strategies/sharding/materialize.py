@@ -1,9 +1,12 @@
 """Meta-device initialisation: build the model without memory, then give each rank only its own shards.
 
-Modules created on the meta device are materialized one at a time, in registration order: each gets fresh
-storage for its own parameters, runs its own initialisation (see `initialise`), rank 0's values are broadcast,
-each rank copies out the pieces it owns, and the full-size copy is dropped. Peak memory is one module's
-parameters on top of the shards.
+A model built under `deferred_init` (fsdp's `configure_model`) is materialized unit by unit, a parameter at a
+time: its value is replayed from the record of its construction (init_record.py), exactly what the eager
+construction makes, rank 0's value is broadcast, each rank copies out the pieces it owns, and the full-size value
+is dropped. Peak memory is one parameter (at most one unit) on top of the shards. Buffers are replayed whole.
+
+Meta tensors that were not recorded (a model built on the meta device by hand) fall back to running each module's
+own initialisation (see `initialiser`), one module at a time.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .init_record import InitRecord, storage_key
 from .placeholder import readable
 
 
@@ -50,11 +54,54 @@ def materialize(
     device: torch.device,
     write_back: Callable[[nn.Parameter, torch.Tensor], None],
     group: object = None,
+    record: InitRecord | None = None,
+    units: list[list[nn.Parameter]] | None = None,
 ) -> None:
-    """Initialise every meta parameter and buffer of `root`; `write_back(param, full_value)` stores a parameter."""
+    """Initialise every meta parameter and buffer of `root`; `write_back(param, full_value)` stores a parameter.
+    With the `record` of the construction, the parameters of each of `units` are replayed together."""
     done: set[int] = set()
+    if record is not None:
+        for params in units or [list(root.parameters())]:
+            _replay_unit(params, meta_params, record, device, write_back, group, done)
+        _replay_buffers(root, record, device, group)
+    _initialise_by_module(root, meta_params, device, write_back, group, done)
+
+
+def _replay_unit(params: list[nn.Parameter], meta_params: dict[int, torch.Tensor], record: InitRecord,
+                 device: torch.device, write_back: Callable, group: object, done: set[int]) -> None:
+    """The unit's parameters, a storage at a time (parameters that view one storage together): each replayed,
+    broadcast from rank 0, written into this rank's pieces and dropped before the next."""
+    by_storage: dict[int, list[nn.Parameter]] = {}
+    for p in params:
+        if id(p) in meta_params and id(p) not in done and record.covers(meta_params[id(p)]):
+            by_storage.setdefault(storage_key(meta_params[id(p)]), []).append(p)
+    for group_params in by_storage.values():
+        values = record.materialize([meta_params[id(p)] for p in group_params])
+        for p, value in zip(group_params, values):
+            value = value.to(device)
+            _broadcast(value, group)
+            write_back(p, value)
+            done.add(id(p))
+        del values
+
+
+def _replay_buffers(root: nn.Module, record: InitRecord, device: torch.device, group: object) -> None:
+    replayed: dict[int, torch.Tensor] = {}  # a buffer held by several modules is made once
+    for module in root.modules():
+        for key, b in module._buffers.items():
+            if b is not None and (id(b) in replayed or record.covers(b)):
+                if id(b) not in replayed:
+                    replayed[id(b)] = record.materialize([b])[0].to(device)
+                    _broadcast(replayed[id(b)], group)
+                module._buffers[key] = replayed[id(b)]
+
+
+def _initialise_by_module(root: nn.Module, meta_params: dict[int, torch.Tensor], device: torch.device,
+                          write_back: Callable, group: object, done: set[int]) -> None:
+    """Meta tensors without a record: each module's own initialisation, one module at a time."""
     for name, module in root.named_modules():
-        own = [p for p in module._parameters.values() if p is not None and id(p) in meta_params]
+        own = [p for p in module._parameters.values() if p is not None and id(p) in meta_params
+               and id(p) not in done]
         buffers = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
         if not own and not buffers:
             continue
@@ -77,16 +124,16 @@ def materialize(
 
 
 def initialiser(root: nn.Module, name: str, module: nn.Module) -> Callable[[], None]:
-    """How `module` initialises its own parameters and buffers: its `reset_parameters()` (torch's convention, and
-    what every built-in layer runs in its constructor, so with the same seed the values equal an eagerly built
-    model's), then, inside a HuggingFace model, that model's `_init_weights(module)` (what its `post_init()` runs
-    on each module; it also covers layers without reset_parameters, such as `Conv1D` or `LlamaRMSNorm`)."""
+    """How an unrecorded `module` initialises its own parameters and buffers (a best effort: not necessarily what
+    its construction did): its `reset_parameters()` (what torch's layers run in their constructors), then, inside
+    a HuggingFace model, that model's `_init_weights(module)` (what its `post_init()` runs on each module)."""
     reset = getattr(module, "reset_parameters", None)
     owner = next((m for m in _ancestors(root, name) if callable(getattr(m, "_init_weights", None))), None)
     if reset is None and owner is None:
         raise ValueError(
-            f"module {name or '<root>'!r} ({type(module).__name__}) was created on the meta device but has no "
-            "reset_parameters() to initialise it; define one, or build it outside configure_model"
+            f"module {name or '<root>'!r} ({type(module).__name__}) was created on the meta device outside "
+            "configure_model and has no reset_parameters() to initialise it; build it in configure_model (whose "
+            "construction is recorded and replayed exactly), or define reset_parameters()"
         )
 
     def init() -> None:

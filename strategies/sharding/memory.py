@@ -15,7 +15,8 @@ def _nbytes(t) -> int:
 def memory_report(engine: ShardingEngine) -> dict[str, int]:
     """Per-rank bytes: parameters, gradients (sharded ones at the size they have from backward to zero_grad),
     optimizer state, unsharded buffers in flight, padding, and the process's peak resident memory (an
-    independent measurement)."""
+    independent measurement); and `trainable_elements`, the trainable parameter elements this rank's optimizer
+    steps (its share of them when optimizer state is sharded)."""
     report = dict.fromkeys(["parameters", "gradients", "unsharded_in_flight", "padding"], 0)
     for unit in engine.units:
         pad = unit.layout.padding * unit.full_flat.element_size()
@@ -34,7 +35,15 @@ def memory_report(engine: ShardingEngine) -> dict[str, int]:
                   and not u.master_is_in_full_flat)
     report["optimizer_state"] = engine.optimizer_state_bytes + masters
     report["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report["trainable_elements"] = trainable_elements(engine)
     return report
+
+
+def trainable_elements(engine: ShardingEngine) -> int:
+    """Trainable parameter elements this rank steps: its pieces of them under sharded optimizer state."""
+    if engine.spec.shard_optimizer_state:
+        return sum(piece.numel for unit in engine.units for piece in unit.pieces if unit.trainable[piece.param_index])
+    return sum(n for unit in engine.units for n, t in zip(unit.layout.numels, unit.trainable) if t)
 
 
 def parameter_bytes(engine: ShardingEngine) -> dict[str, int]:

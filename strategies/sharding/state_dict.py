@@ -181,20 +181,23 @@ def optimizer_targets(
 
 
 # ---- the whole model ---------------------------------------------------------------------------------------
-def full_state_dict(engine: ShardingEngine, keep: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: ShardingEngine, keep: bool = True, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The unwrapped model's state dict, gathered unit by unit (collective: every rank takes part; {} where `keep`
-    is False, and nothing copied out there)."""
+    is False, and nothing copied out there). With `trainable_only`, only the parameters that require grad (an
+    adapter's): nothing else is gathered."""
     out: dict[str, torch.Tensor] = {}
-    for names, views in engine.iter_full_parameters():  # under their first names; tied aliases below
+    for names, views in engine.iter_full_parameters(trainable_only):  # under their first names; aliases below
         if keep:
             out.update({n: v.detach().cpu().clone() for n, v in zip(names, views)})
     if not keep:
         return {}
-    for key, value in _other_entries(engine).items():  # buffers
-        out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+    if not trainable_only:
+        for key, value in _other_entries(engine).items():  # buffers
+            out[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
     for alias, first in parameter_aliases(engine.module).items():
-        out[alias] = out[first]
-    return {k: out[k] for k in engine.module.state_dict(keep_vars=True)}
+        if first in out:
+            out[alias] = out[first]
+    return {k: out[k] for k in engine.module.state_dict(keep_vars=True) if k in out}
 
 
 def full_state_shapes(engine: ShardingEngine) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -42,32 +42,35 @@ class ShardUnit:
         module: nn.Module | None = None,
         device: torch.device | None = None,
         options: UnitOptions | None = None,
+        uninitialised: frozenset[int] = frozenset(),
     ) -> None:
+        """`uninitialised`: ids of parameters whose values are written later (made on the meta device: see
+        materialize.py); nothing is copied from them, so their unit's buffers stay untouched until then."""
         self.name, self.module, self.spec, self.groups, self.stats = name, module, spec, groups, stats
         self.rank, self.world_size = groups.rank, groups.size  # in the shard group
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.trainable = [p.requires_grad for p in self.params]
-        self.layout = FlatLayout([p.shape for p in self.params], self.world_size)
+        self.layout = FlatLayout([p.shape for p in self.params], self.world_size, self.trainable)
         options = options or UnitOptions()
         self.dtype = self.params[0].dtype  # of the master weights and of checkpoints
         self.compute_dtype = options.param_dtype or self.dtype  # of the gathered parameters
         self.reduce_dtype = options.reduce_dtype or self.compute_dtype
         self.device = device or self.params[0].device
         self.shard_device = torch.device("cpu") if options.offload_to_cpu else self.device
-        self._build_parameter_buffers()
+        self._build_parameter_buffers(uninitialised)
         self._build_optimizer_shard()
         stores = {False: ReplicatedGradients, True: ShardedGradients}
         self.grads = stores[spec.shard_gradients](self) if any(self.trainable) else NoGradients()
         self.state = ParamState.UNSHARDED
-        self._gather_work: Work = None
+        self._gather_works: list[Work] = []
         self.input_dtype: torch.dtype | None = None  # of the last forward's input (full-precision norm units)
         self.reset_backward_state()
         if spec.shard_parameters:
             self.reshard()
 
     # ---- construction -------------------------------------------------------------------------------
-    def _build_parameter_buffers(self) -> None:
+    def _build_parameter_buffers(self, uninitialised: frozenset[int]) -> None:
         """The flat buffer of full parameters (which every parameter becomes a view of) and, when optimizer
         state is sharded, this rank's master slice. With replicated parameters in full precision the owned slice
         of the full buffer is the master; under fsdp the full buffer is freed between uses, and under mixed
@@ -75,24 +78,30 @@ class ShardUnit:
         memory with offloading)."""
         full = torch.empty(self.layout.padded_total, dtype=self.dtype, device=self.device)
         with torch.no_grad():
-            full[self.layout.total :].zero_()
+            for lo, hi in self.layout.padding_ranges():
+                full[lo:hi].zero_()
             for view, p in zip(self.layout.views(full), self.params):
-                view.copy_(p.detach())  # (parameters made on the meta device are written later, materialize.py)
-        lo, hi = self.layout.shard_range(self.rank)
+                if id(p) not in uninitialised:
+                    view.copy_(p.detach())
         self.master_is_in_full_flat = not self.spec.shard_parameters and self.compute_dtype == self.dtype
-        if self.spec.shard_optimizer_state:
-            self.master = full[lo:hi] if self.master_is_in_full_flat else self._master_copy(full[lo:hi])
+        if self.master_is_in_full_flat and self.spec.shard_optimizer_state:  # (a bucket: one segment)
+            lo, hi = self.layout.shard_range(self.rank)
+            self.master = full[lo:hi]
+        elif self.spec.shard_optimizer_state:
+            self.master = self._master_copy(full)
         self.full_flat = full.to(self.compute_dtype)
         self._full_views = self.layout.views(self.full_flat)  # made once: they outlive the storage's resizes
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
         self._point_params_at(self._full_views)
 
-    def _master_copy(self, shard: torch.Tensor) -> torch.Tensor:
-        """The master slice on its own: offloaded from a GPU it is in pinned host memory, so that gathering it
-        (`unshard`) is a copy that does not wait for the host."""
+    def _master_copy(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slices of `full`, on their own: offloaded from a GPU in pinned host memory, so that
+        gathering them (`unshard`) is a copy that does not wait for the host."""
         pinned = self.shard_device.type == "cpu" and self.device.type == "cuda"
-        master = torch.empty(shard.shape, dtype=shard.dtype, device=self.shard_device, pin_memory=pinned)
-        return master.copy_(shard)
+        master = torch.empty(self.layout.shard_size, dtype=full.dtype, device=self.shard_device, pin_memory=pinned)
+        for segment, lo, hi in self.layout.owned(self.rank):
+            master[segment.shard_start : segment.shard_start + segment.chunk].copy_(full[lo:hi])
+        return master
 
     def _point_params_at(self, views: list[torch.Tensor]) -> None:
         for view, p in zip(views, self.params):
@@ -135,13 +144,15 @@ class ShardUnit:
                 self.wait_unshard()
             return
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
-        lo, hi = self.layout.shard_range(self.rank)
-        own = self.full_flat[lo:hi]  # gathered in place, as FSDP2 does: no separate input buffer
-        if self.master.device != own.device and self.master.dtype != own.dtype:
-            own.copy_(self.master.to(own.device, non_blocking=True))  # moved, then cast on the device
-        else:
-            own.copy_(self.master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
-        self._gather_work = all_gather(self.full_flat, own, self.groups.shard, self.stats, async_op=True)
+        for segment, lo, hi in self.layout.owned(self.rank):
+            own = self.full_flat[lo:hi]  # gathered in place, as FSDP2 does: no separate input buffer
+            master = self.master[segment.shard_start : segment.shard_start + segment.chunk]
+            if master.device != own.device and master.dtype != own.dtype:
+                own.copy_(master.to(own.device, non_blocking=True))  # moved, then cast on the device
+            else:
+                own.copy_(master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
+            whole = self.full_flat[segment.start : segment.start + segment.chunk * self.world_size]
+            self._gather_works.append(all_gather(whole, own, self.groups.shard, self.stats, async_op=True))
         self.state = ParamState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -149,8 +160,9 @@ class ShardUnit:
     def wait_unshard(self) -> None:
         if self.state is ParamState.UNSHARDING:
             with self.naming_failures("all-gather of the parameters"):
-                wait(self._gather_work)
-            self._gather_work = None
+                for work in self._gather_works:
+                    wait(work)
+            self._gather_works = []
             self._point_params_at_full_views()
             for p in self.params:
                 mark_unsharded(p)
@@ -180,9 +192,9 @@ class ShardUnit:
 
     def hide_full(self, full: torch.Tensor, write_back: bool) -> None:
         if write_back:
-            lo, hi = self.layout.shard_range(self.rank)
             with torch.no_grad():
-                self.master.copy_(full[lo:hi])
+                for segment, lo, hi in self.layout.owned(self.rank):
+                    self.master[segment.shard_start : segment.shard_start + segment.chunk].copy_(full[lo:hi])
         self._mark_sharded()
 
     def write_full_parameter(self, index: int, value: torch.Tensor) -> None:
@@ -210,9 +222,15 @@ class ShardUnit:
             return self.gather_full(self.master)
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every rank's `shard` (this unit's padded flat layout) gathered into a new flat tensor. Collective."""
+        """Every rank's `shard` (in this unit's layout) gathered into a new flat tensor: every segment the shard
+        covers (a gradient shard, or `master[:trainable_shard_size]`, covers the trainable one only; what it
+        does not cover is left uninitialised). Collective."""
         full = torch.empty(self.layout.padded_total, dtype=shard.dtype, device=self.device)
-        all_gather(full, shard.to(self.device), self.groups.shard, self.stats, async_op=False)
+        for segment in self.layout.segments:
+            if segment.shard_start + segment.chunk <= shard.numel():
+                whole = full[segment.start : segment.start + segment.chunk * self.world_size]
+                own = shard[segment.shard_start : segment.shard_start + segment.chunk].to(self.device)
+                all_gather(whole, own, self.groups.shard, self.stats, async_op=False)
         return full
 
     # ---- backward -----------------------------------------------------------------------------------

@@ -24,21 +24,21 @@ def unique_named_parameters(root: nn.Module) -> NamedParams:
 
 
 def gradient_buckets(root: nn.Module, bucket_elements: int = BUCKET_ELEMENTS) -> list[NamedParams]:
-    """Parameters in reverse registration order (roughly the order backward produces their gradients),
-    cut into buckets of at most `bucket_elements`, one dtype and device per bucket."""
+    """Parameters in reverse registration order (roughly the order backward produces their gradients), cut into
+    buckets of at most `bucket_elements` of one dtype, device and kind: frozen parameters get buckets of their own,
+    which are never reduced, so each trainable bucket is split evenly over the ranks (layout.py)."""
     buckets: list[NamedParams] = []
-    current: NamedParams = []
-    size = 0
+    filling: dict[tuple, tuple[NamedParams, int]] = {}  # by kind: the bucket being filled and its size
     for name, p in reversed(unique_named_parameters(root)):
-        same_kind = not current or (current[0][1].dtype, current[0][1].device) == (p.dtype, p.device)
-        if current and (size + p.numel() > bucket_elements or not same_kind):
+        kind = (p.dtype, p.device, p.requires_grad)
+        current, size = filling.get(kind, ([], 0))
+        if current and size + p.numel() > bucket_elements:
             buckets.append(current)
             current, size = [], 0
-        current.append((name, p))
-        size += p.numel()
-    if current:
-        buckets.append(current)
-    return buckets
+        filling[kind] = (current + [(name, p)], size + p.numel())
+    buckets += [bucket for bucket, _ in filling.values()]
+    order = {id(p): i for i, (_, p) in enumerate(reversed(unique_named_parameters(root)))}
+    return sorted(buckets, key=lambda bucket: order[id(bucket[0][1])])
 
 
 def policy_modules(

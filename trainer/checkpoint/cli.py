@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="above this, shards and model.safetensors.index.json (default 5GB)")
     export.add_argument("--ema", action="store_true",
                         help="the moving average of callbacks.EMA instead of the trained weights")
+    export.add_argument("--trainable-only", action="store_true",
+                        help="only the parameters that were trained (requires_grad), e.g. a LoRA adapter")
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -48,6 +50,7 @@ def _run(args: argparse.Namespace) -> None:
         consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer)
         print(f"wrote {args.out}")
         return
-    left_out = export_safetensors(args.checkpoint, args.out_dir, args.prefix, args.max_shard_size, ema=args.ema)
+    left_out = export_safetensors(args.checkpoint, args.out_dir, args.prefix, args.max_shard_size, ema=args.ema,
+                                  trainable_only=args.trainable_only)
     note = f" (left out, not under {args.prefix!r}: {', '.join(left_out)})" if left_out else ""
     print(f"wrote {args.out_dir}{note}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -81,15 +82,18 @@ def _batches(source: Source, keys: list[str]) -> Iterator[dict[str, torch.Tensor
 
 # ---- safetensors out -----------------------------------------------------------------------------------------
 def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "",
-                       max_shard_size: int = 5 * 10**9, ema: bool = False) -> list[str]:
+                       max_shard_size: int = 5 * 10**9, ema: bool = False, trainable_only: bool = False) -> list[str]:
     """Write a checkpoint's weights in HuggingFace's layout: `model.safetensors`, or above `max_shard_size` bytes
     `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`. Names lose `prefix` (entries without
     it are left out); tied names are written once, under the first. With `ema`, callbacks.EMA's average in place
-    of each parameter it averages. Returns the names left out."""
+    of each parameter it averages; with `trainable_only`, only the parameters that were trained (an adapter's).
+    Returns the names left out for not starting with `prefix`."""
     source = open_source(path)
     meta = read_meta_item(source)
     reads = {source.paths[k][1]: read for k, read in weight_keys(source, meta, path, ema).items()
              if k in source.tensors}
+    if trainable_only:
+        reads = {name: read for name, read in reads.items() if name in _trainable(meta, path)}
     order = {name: i for i, name in enumerate(meta.get("state_dict_keys", []))}
     names = sorted(reads, key=lambda n: order.get(n, len(order)))
     kept = [(n.removeprefix(prefix), reads[n]) for n in names if n.startswith(prefix)]
@@ -106,6 +110,13 @@ def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, pref
         with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
     return [n for n in names if not n.startswith(prefix)]
+
+
+def _trainable(meta: dict[str, Any], path: Any) -> set[str]:
+    if "trainable" not in meta:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} does not record which parameters were trainable (it was "
+                         "written by an older version); leave out trainable_only (--trainable-only)")
+    return set(meta["trainable"])
 
 
 def _shards(tensors: list[tuple[str, torch.Tensor]], limit: int) -> list[list[str]]:
@@ -148,25 +159,45 @@ def _write_safetensors(file: str, source: Source, entries: list[tuple[str, str]]
 
 
 # ---- safetensors in ------------------------------------------------------------------------------------------
-def load_safetensors(trainer: Trainer, path: str | os.PathLike, prefix: str = "") -> None:
+def load_safetensors(trainer: Trainer, path: str | os.PathLike, prefix: str = "",
+                     key_mapping: dict[str, str] | None = None, strict: bool = True) -> list[str]:
     """Load weights from safetensors files in HuggingFace's layout (a folder, or one file) into the trainer's
     model: `prefix` + a name in the files is the model's name ("model." for a HuggingFace model held as
     `self.model`). Every rank reads only its own pieces. Call it on every rank once the model is set up (for
-    example in `on_fit_start`); every parameter must be in the files, with its shape."""
+    example in `on_fit_start`); every parameter must be in the files, with its shape.
+
+    `key_mapping` ({regular expression: replacement}, as in transformers' `from_pretrained`) turns the model's
+    names, without `prefix`, into the files' (`{r"\\.base_layer\\.": "."}` for a peft model, whose wrapped layers
+    keep the pretrained weight as `base_layer.weight`). With `strict=False` parameters the files lack keep their
+    values (new LoRA adapters, say) and their names are returned, as torch's `load_state_dict` returns them."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     folder = _safetensors_folder(os.fspath(path))
     reader = HuggingFaceStorageReader(folder)
     saved = reader.read_metadata().state_dict_metadata
     strategy = trainer.strategy
-    _check_pretrained(trainer, saved, path, prefix)
+    in_files = _file_names(strategy.full_state_shapes(), prefix, key_mapping)
+    missing = _check_pretrained(trainer, saved, in_files, path, prefix, strict)
     plain, shards = {}, {}
     for name, target in strategy.model_state_targets().items():
-        if name.startswith(prefix) and name.removeprefix(prefix) in saved:
-            (shards if isinstance(target, FlatPieces) else plain)[name.removeprefix(prefix)] = target
+        if in_files.get(name) in saved:
+            (shards if isinstance(target, FlatPieces) else plain)[in_files[name]] = target
     with unwrapped():
         dcp.load(plain, storage_reader=reader, planner=ShardLoadPlanner(shards), no_dist=True)
     strategy.state_loaded()
+    return missing
+
+
+def _file_names(names: Any, prefix: str, key_mapping: dict[str, str] | None) -> dict[str, str]:
+    """The name in the files of each of the model's state-dict entries that starts with `prefix`."""
+    out = {}
+    for name in names:
+        if name.startswith(prefix):
+            mapped = name.removeprefix(prefix)
+            for pattern, replacement in (key_mapping or {}).items():
+                mapped = re.sub(pattern, replacement, mapped)
+            out[name] = mapped
+    return out
 
 
 def _safetensors_folder(path: str) -> str:
@@ -180,19 +211,23 @@ def _safetensors_folder(path: str) -> str:
     return folder
 
 
-def _check_pretrained(trainer: Trainer, saved: dict[str, Any], path: Any, prefix: str) -> None:
-    """Every parameter of the model must be in the files with its shape (buffers are loaded where present)."""
+def _check_pretrained(trainer: Trainer, saved: dict[str, Any], in_files: dict[str, str], path: Any, prefix: str,
+                      strict: bool) -> list[str]:
+    """Every parameter of the model must be in the files with its shape (buffers are loaded where present; with
+    `strict=False` parameters may be missing: their names are returned)."""
     aliases = trainer.strategy.parameter_aliases()
     params = {name for name, _ in trainer.module.named_parameters()}
-    problems = []
+    problems, missing = [], []
     for name, (shape, _) in trainer.strategy.full_state_shapes().items():
-        stored = saved.get(name.removeprefix(prefix)) if name.startswith(prefix) else None
+        stored = saved.get(in_files[name]) if name in in_files else None
         if name in aliases or (stored is None and name not in params):
             continue
         if stored is None:
-            problems.append(f"missing: {name}")
+            missing.append(name)
         elif list(stored.size) != list(shape):
             problems.append(f"shape of {name}: safetensors {list(stored.size)}, model {list(shape)}")
+    problems += [f"missing: {name}" for name in missing] if strict else []
     if problems:
         raise ValueError(f"load_safetensors({os.fspath(path)!r}, prefix={prefix!r}) does not fit this model:\n  "
                          + "\n  ".join(problems))
+    return missing
