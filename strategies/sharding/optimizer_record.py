@@ -37,7 +37,8 @@ def mark_state_dicts(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -
 def _record(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     ids = {id(p) for p in engine.optimizer_parameters(optimizer)}
     layout = [(unit.name, [n for n, p in zip(unit.param_names, unit.params) if id(p) in ids],
-               [list(s) for s in unit.layout.shapes], unit.layout.shard_range(unit.rank)) for unit in engine.units]
+               [list(s) for s in unit.layout.shapes], [(a, b) for _, a, b in unit.layout.owned(unit.rank)])
+              for unit in engine.units]
     return {"rank": engine.rank, "ranks": engine.world_size,
             "layout": f"{zlib.crc32(json.dumps(layout).encode()):08x}"}
 
