@@ -141,7 +141,8 @@ class ShardUnit:
             own.copy_(self.master.to(own.device, non_blocking=True))  # moved, then cast on the device
         else:
             own.copy_(self.master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
-        self._gather_work = all_gather(self.full_flat, own, self.groups.shard, self.stats, async_op=True)
+        self._gather_work = all_gather(self.full_flat, own, self.groups.shard, self.stats, async_op=True,
+                                       unit=self.name)
         self.state = ParamState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -161,6 +162,8 @@ class ShardUnit:
         error naming it until the unit is gathered again (placeholder.py)."""
         if not self.spec.shard_parameters or self.state is ParamState.SHARDED:
             return
+        if getattr(self._gather_work, "abandoned", None) is not None:
+            return  # its gather may still write into the buffer: keep it while the run fails
         self.wait_unshard()
         self.full_flat.untyped_storage().resize_(0)
         self._mark_sharded()
@@ -202,7 +205,8 @@ class ShardUnit:
         lo, hi = self.layout.shard_range(self.rank)
         if not self.master_is_in_full_flat:
             self.full_flat[lo:hi].copy_(self.master)  # to the compute dtype
-        return all_gather(self.full_flat, self.full_flat[lo:hi], self.groups.shard, self.stats, async_op=True)
+        return all_gather(self.full_flat, self.full_flat[lo:hi], self.groups.shard, self.stats, async_op=True,
+                          unit=self.name)
 
     def gather_full_master(self) -> torch.Tensor:
         """Every rank's master slice gathered into a new full-precision flat tensor (fsdp, mixed precision)."""
@@ -212,7 +216,7 @@ class ShardUnit:
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's `shard` (this unit's padded flat layout) gathered into a new flat tensor. Collective."""
         full = torch.empty(self.layout.padded_total, dtype=shard.dtype, device=self.device)
-        all_gather(full, shard.to(self.device), self.groups.shard, self.stats, async_op=False)
+        all_gather(full, shard.to(self.device), self.groups.shard, self.stats, async_op=False, unit=self.name)
         return full
 
     # ---- backward -----------------------------------------------------------------------------------
