@@ -32,7 +32,7 @@ def test_csv_logger_writes_one_metrics_file_per_run_that_pandas_reads(tmp_path):
     assert frame["train/loss"].tolist()[:2] == [2.5, 1.5] and pd.isna(frame["train/loss"][2])
     assert frame["val/acc"].tolist()[2] == 0.75
     with open(os.path.join(logger.log_dir, "hparams.yaml")) as f:
-        assert f.read() == 'lr: 0.1\nopt/name: "adam"\n'
+        assert f.read() == 'lr: 0.1\nopt:\n  name: "adam"\n'
     assert CSVLogger(tmp_path, name="exp").version == 1  # the next run: its own file
     rank1 = CSVLogger(tmp_path / "other")
     rank1.rank = 1

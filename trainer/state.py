@@ -16,6 +16,7 @@ class TrainerState:
     batches_done_in_epoch: int = (
         0  # micro-batches of the current epoch already trained (for mid-epoch resume)
     )
+    time_elapsed: float = 0.0  # seconds of training so far, over resumes too (max_time counts them)
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
