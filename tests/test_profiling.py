@@ -16,8 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from callbacks import CSVLogger
-from strategies import FSDPStrategy
-from strategies.sharding import observe
+from strategies import FSDPStrategy, observe
 from tests.test_parity import Block, TiedLM, new_model, token_dataset
 from trainer import Trainer
 from trainer.profilers import PyTorchProfiler, SimpleProfiler

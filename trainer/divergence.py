@@ -31,15 +31,12 @@ import sysconfig
 import time
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from strategies.sharding.observe import Call, Watcher
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
+from strategies import observe
 
 ENV = "SHARDTRAIN_DETECT_DIVERGENCE"  # "1": as Trainer(detect_divergence=True)
 RING = 4096  # a rank's published collectives are kept in this many slots per channel
@@ -63,7 +60,7 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
-class DivergenceCheck(Watcher):
+class DivergenceCheck(observe.Watcher):
     def __init__(self, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout = timeout.total_seconds()
@@ -74,19 +71,20 @@ class DivergenceCheck(Watcher):
         store.wait([f"s/{r}" for r in range(world_size)], timeout)
 
     @classmethod
-    def connect(cls, trainer: Trainer) -> DivergenceCheck:
-        """Every rank's check, on a run prefix rank 0 draws (collective)."""
+    def connect(cls, timeout: datetime.timedelta) -> DivergenceCheck:
+        """Every rank's check on the default process group, under keys of a run rank 0 draws. Collective."""
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not host or not port:
             raise ValueError("detect_divergence needs MASTER_ADDR and MASTER_PORT (torchrun and the Trainer's "
                              "launcher set them) to reach the store the process group was made with")
-        run = trainer.strategy.broadcast(uuid.uuid4().hex if trainer.is_global_zero else None)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=trainer.timeout, wait_for_workers=False)
-        store = dist.PrefixStore(f"shardtrain/divergence/{run}", store)
-        return cls(store, trainer.global_rank, trainer.world_size, trainer.timeout)
+        box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+        store = dist.PrefixStore(f"shardtrain/divergence/{box[0]}", store)
+        return cls(store, dist.get_rank(), dist.get_world_size(), timeout)
 
     # ---- what this rank publishes -------------------------------------------------------------------
-    def started(self, call: Call) -> None:
+    def started(self, call: observe.Call) -> None:
         channel, ranks = self._channel(call)
         seq = self._sequence.get(channel, 0)
         self._sequence[channel] = seq + 1
@@ -94,7 +92,7 @@ class DivergenceCheck(Watcher):
         self.store.set(f"c/{channel}/{seq % RING}/{self.rank}", json.dumps(entry))
         call.notes[self] = (channel, ranks, entry)
 
-    def _channel(self, call: Call) -> tuple[str, list[int]]:
+    def _channel(self, call: observe.Call) -> tuple[str, list[int]]:
         group = call.group if call.group is not None else dist.group.WORLD
         ranks = self._ranks.get(group)
         if ranks is None:
@@ -112,7 +110,7 @@ class DivergenceCheck(Watcher):
         self.store.set(f"s/{self.rank}", json.dumps(state))
 
     # ---- the check before a wait --------------------------------------------------------------------
-    def waiting(self, call: Call) -> None:
+    def waiting(self, call: observe.Call) -> None:
         channel, ranks, entry = call.notes.pop(self)
         keys = [f"c/{channel}/{entry[0] % RING}/{r}" for r in ranks]
         start = last_scan = time.monotonic()
@@ -162,8 +160,7 @@ class DivergenceCheck(Watcher):
         return self._published([f"c/{channel}/{entry[0] % RING}/{r}" for r in ranks], entry[0]) is not None
 
     def _timed_out(self, ranks: list[int], keys: list[str], entry: list[Any], waited: float) -> str:
-        present = [r for r, key in zip(ranks, keys) if self.store.check([key])]
-        missing = [r for r in ranks if r not in present]
+        missing = [r for r, key in zip(ranks, keys) if self._published([key], entry[0]) is None]
         return (f"rank {self.rank} waited {waited:.0f} s (the timeout) in {_say(entry)} for rank(s) {missing}, "
                 "which have not made it (detect_divergence)")
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from strategies.sharding import observe
+from strategies import observe
 
 from .divergence import DivergenceCheck
 
@@ -20,7 +20,7 @@ def during_fit(trainer: Trainer) -> Iterator[None]:
     its report gathers from every rank), and a failure is told to the ranks waiting in a divergence check."""
     check = None
     if trainer.detect_divergence and trainer.strategy.distributed:
-        check = DivergenceCheck.connect(trainer)
+        check = DivergenceCheck.connect(trainer.timeout)
     profiler, success = trainer.profiler, False
     with observe.watched_by(trainer.timer, check):
         if profiler is not None:

@@ -25,20 +25,21 @@ from typing import Any
 
 import torch
 
-from strategies.sharding.observe import Call, Watcher
+from strategies import observe
 
 RANGE_NAMES = {"forward": "training_step", "backward": "backward", "optimizer": "optimizer_step",
                "validation": "validation"}
 STEP_PHASES = ("forward", "backward", "optimizer")
 
 
-class StepTimer(Watcher):
+class StepTimer(observe.Watcher):
     def __init__(self) -> None:
         self.ranges = False  # record_function around each phase (set while a PyTorchProfiler records)
         self.totals: Counter[str] = Counter()  # phase -> seconds, over the whole fit
         self.calls: Counter[str] = Counter()  # phase -> times entered
-        self.comm: dict[tuple[str, str], list[float]] = {}  # (kind, where) -> [calls, in flight, exposed]
-        self.window: Counter[str] = Counter()  # metric -> seconds since the last window_metrics()
+        self.comm: dict[tuple[str, str | None], list[float]] = {}  # (kind, unit) -> [calls, in flight, exposed]
+        self.window: Counter[str] = Counter()  # phase -> seconds since the last window_metrics()
+        self.window_comm: dict[str, list[float]] = {}  # kind -> [in flight, exposed] since then
         self.steps = self.window_steps = 0
         self._stack: list[tuple[str, Any]] = []
         self._since = self._step_start = self._started = time.perf_counter()
@@ -89,16 +90,19 @@ class StepTimer(Watcher):
             self._excluded += seconds
 
     # ---- collectives --------------------------------------------------------------------------------
-    def done(self, call: Call) -> None:
+    def done(self, call: observe.Call) -> None:
         in_flight, exposed = call.done_at - call.started_at, call.done_at - call.waiting_at
-        entry = self.comm.get((call.kind, call.where))
+        entry = self.comm.get((call.kind, call.unit))
         if entry is None:
-            entry = self.comm[call.kind, call.where] = [0, 0.0, 0.0]
+            entry = self.comm[call.kind, call.unit] = [0, 0.0, 0.0]
         entry[0] += 1
         entry[1] += in_flight
         entry[2] += exposed
-        self.window[call.kind] += in_flight
-        self.window[f"{call.kind}_exposed"] += exposed
+        window = self.window_comm.get(call.kind)
+        if window is None:
+            window = self.window_comm[call.kind] = [0.0, 0.0]
+        window[0] += in_flight
+        window[1] += exposed
 
     # ---- steps --------------------------------------------------------------------------------------
     def end_step(self) -> None:
@@ -116,9 +120,13 @@ class StepTimer(Watcher):
         """`time/<name>`: seconds per optimizer step, averaged over the steps since the last call."""
         if not self.window_steps:
             return {}
+        steps = self.window_steps
         names = [*STEP_PHASES, "step", *(n for n in self.window if n not in (*STEP_PHASES, "step"))]
-        metrics = {f"time/{name}": self.window[name] / self.window_steps for name in names}
+        metrics = {f"time/{name}": self.window[name] / steps for name in names}
+        for kind, (in_flight, exposed) in self.window_comm.items():
+            metrics.update({f"time/{kind}": in_flight / steps, f"time/{kind}_exposed": exposed / steps})
         self.window.clear()
+        self.window_comm.clear()
         self.window_steps = 0
         return metrics
 
@@ -126,4 +134,4 @@ class StepTimer(Watcher):
         """Totals over the fit, as plain values (gathered from every rank for the profiler's table)."""
         return {"seconds": time.perf_counter() - self._started, "steps": self.steps,
                 "phases": {name: (self.calls[name], self.totals[name]) for name in self.totals},
-                "comm": {key: tuple(value) for key, value in self.comm.items()}}
+                "comm": {(kind, observe.where(unit)): tuple(value) for (kind, unit), value in self.comm.items()}}

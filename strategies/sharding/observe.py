@@ -39,9 +39,7 @@ class Call:
 
     @property
     def where(self) -> str:
-        if self.unit is None:
-            return "strategy"
-        return self.unit if self.unit.startswith("<") else f"unit {self.unit or '<root>'!r}"
+        return where(self.unit)
 
     def describe(self) -> str:
         size = "" if self.numel is None else f" of {self.numel} element{'s' * (self.numel != 1)}"
@@ -60,6 +58,13 @@ class Call:
         self.done_at = time.perf_counter()
         for watcher in _watchers:
             watcher.done(self)
+
+
+def where(unit: str | None) -> str:
+    """How a call's `unit` reads in reports: "strategy", "unit 'h.0'", "unit '<root>'" or "<buffers>"."""
+    if unit is None:
+        return "strategy"
+    return unit if unit.startswith("<") else f"unit {unit or '<root>'!r}"
 
 
 class Watcher:

@@ -4,6 +4,7 @@ exposed part; mean and total on rank 0, and the slowest rank of each row (all ra
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from .base import Profiler
@@ -17,20 +18,26 @@ HEADER = ("Action", "Calls", "Mean (ms)", "Total (s)", "% of fit", "slowest rank
 
 
 class SimpleProfiler(Profiler):
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
+                 extended: bool = True) -> None:
+        """`extended`: a row per unit under each collective kind (Lightning's argument: more detail)."""
+        super().__init__(dirpath, filename)
+        self.extended = extended
+
     def teardown(self, trainer: Trainer, success: bool) -> None:
         if success:
             summaries = trainer.strategy.all_gather_object(trainer.timer.summary())
-            self._report(trainer, report(summaries, trainer.global_rank))
+            self._report(trainer, report(summaries, trainer.global_rank, self.extended))
 
 
-def report(summaries: list[dict[str, Any]], rank: int = 0) -> str:
+def report(summaries: list[dict[str, Any]], rank: int = 0, extended: bool = True) -> str:
     """The table for this rank's figures (`summaries` by rank)."""
     ours = summaries[rank]
     rows = [_row(label, summaries, rank, lambda s, key=key: s["phases"].get(key, (0, 0.0)))
             for label, key in PHASE_ROWS if key in ours["phases"]]
     comm_rows = []
     for kind in sorted({kind for kind, _ in ours["comm"]}):
-        keys = sorted(where for k, where in ours["comm"] if k == kind)
+        keys = sorted(where for k, where in ours["comm"] if k == kind) if extended else []
         for part, index in (("in flight", 1), ("exposed", 2)):
             comm_rows.append(_row(f"{kind}, {part}", summaries, rank, lambda s, k=kind, i=index: _total(s, k, i)))
             for where in keys:
