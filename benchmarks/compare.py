@@ -17,6 +17,9 @@ touches all alike:
   floor        the compute floor: each rank trains a plain model with plain AdamW on the same per-rank batch,
                with no communication (both ranks at once, so they share the machine as the others do)
   floor-solo   (not run by default) rank 0 alone does the floor's work while rank 1 waits
+  <strategy>+timed, <strategy>+checked   (not run by default; ddp, zero1, zero2, fsdp, hsdp) the strategy with the
+               Trainer's step timer watching every collective (as in every Trainer fit), or with the timer and
+               detect_divergence's check: "vs torch" then compares with the same strategy unwatched
   hsdp, torch-hsdp   (not run by default; for --ranks 4) hybrid sharding in groups of 2 ranks: this project's
                FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=2), and fully_shard per Block + root on a 2-D
                (replicate, shard) device mesh, torch's HSDP
@@ -62,12 +65,15 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from examples.gpt import GPT, GPT_PRESETS, Block, GPTConfig, TextWindows, load_corpus  # noqa: E402
+from strategies import observe  # noqa: E402
 
 MiB = 2**20
 VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "fsdp", "floor")
 COMPILED_VARIANTS = ("floor+compile", "ddp+compile", "fsdp+compile", "torch-fsdp+compile")
 EXTRA_VARIANTS = ("floor-solo", "hsdp", "torch-hsdp", *COMPILED_VARIANTS)
 HSDP_GROUP = 2  # ranks that shard among themselves in the hsdp variants
+WATCHED = ("+timed", "+checked")  # what watches the engine's collectives (trainer/timing.py, trainer/divergence.py)
+WATCHABLE = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero", "zero2": "torch-ddp", "fsdp": "torch-fsdp",
                "hsdp": "torch-hsdp", "fsdp+compile": "torch-fsdp+compile"}
 AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "torch-hsdp", "ddp", "zero1", "zero2", "fsdp", "hsdp",
@@ -77,7 +83,8 @@ AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "torch-hsdp", "ddp", "zero
 def theory_bytes(variant: str, params: int, world: int) -> float:
     """Per-rank model-state bytes (fp32 Adam) of DESIGN.md's table; torch's variants as their counterparts."""
     p, n = params, world
-    variant = variant.removesuffix("+compile")
+    for suffix in ("+compile", *WATCHED):
+        variant = variant.removesuffix(suffix)
     kind = {"torch-ddp": "ddp", "torch-zero": "zero1", "torch-fsdp": "fsdp", "torch-hsdp": "hsdp"}.get(variant, variant)
     return {"ddp": 16 * p, "zero1": 8 * p + 8 * p / n, "zero2": 4 * p + 12 * p / n, "fsdp": 16 * p / n,
             "hsdp": 16 * p / HSDP_GROUP, "floor": 16 * p, "floor-solo": 16 * p}[kind]
@@ -109,11 +116,25 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def watchers(name: str) -> list:
+    """The watchers of a "+timed" or "+checked" variant, installed around its steps."""
+    from trainer.divergence import DivergenceCheck
+    from trainer.timing import StepTimer
+
+    if name.endswith("+timed"):
+        return [StepTimer()]
+    if name.endswith("+checked"):
+        return [StepTimer(), DivergenceCheck.connect(datetime.timedelta(minutes=5))]
+    return []
+
+
 def build(name: str, config: GPTConfig, lr: float, mesh):
     """A fresh model of the variant (same seed everywhere): step(x, y) -> loss, the engine if any, and close().
     A "+compile" variant compiles each Block (torch.compile, inductor) as torchtitan does."""
     rank = dist.get_rank()
     model = GPT(config)
+    for suffix in WATCHED:
+        name = name.removesuffix(suffix)
     name, compiled = name.removesuffix("+compile"), name.endswith("+compile")
     if compiled and name in ("floor", "torch-fsdp"):
         for i, block in enumerate(model.h):  # torchtitan: compile each block, then (torch-fsdp) shard it
@@ -173,6 +194,23 @@ def run_variant(name: str, config: GPTConfig, batches: list, args, mesh, measure
     if measure_memory:
         release_and_reset_peak()
     setup_rss = rss_bytes("VmRSS:")
+    with observe.watched_by(*watchers(name)):
+        times, cpu, loss, first = timed_steps(step, engine, batches, args)
+    out = {"times": times, "cpu": cpu, "first": first, "loss": None if loss is None else loss.item()}
+    if measure_memory:
+        out.update(peak_rss=rss_bytes("VmHWM:"), setup_rss=setup_rss)
+    if engine is not None and hasattr(engine, "stats") and args.steps:
+        stats = engine.stats
+        out["comm"] = {k: [stats.calls[k] / args.steps, stats.elements[k] / args.steps] for k in stats.calls}
+    if close is not None:
+        close()
+    del step, engine, close
+    gc.collect()
+    return out
+
+
+def timed_steps(step, engine, batches: list, args) -> tuple[list[float], list[float], torch.Tensor, float]:
+    """Each step between two barriers: wall and CPU times of the timed ones, the last loss, the first step's time."""
     times, cpu, loss, first = [], [], None, None
     for i, (x, y) in enumerate(batches):
         if i == args.warmup and engine is not None and hasattr(engine, "stats"):
@@ -186,17 +224,7 @@ def run_variant(name: str, config: GPTConfig, batches: list, args, mesh, measure
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-    out = {"times": times, "cpu": cpu, "first": first, "loss": None if loss is None else loss.item()}
-    if measure_memory:
-        out.update(peak_rss=rss_bytes("VmHWM:"), setup_rss=setup_rss)
-    if engine is not None and hasattr(engine, "stats") and args.steps:
-        stats = engine.stats
-        out["comm"] = {k: [stats.calls[k] / args.steps, stats.elements[k] / args.steps] for k in stats.calls}
-    if close is not None:
-        close()
-    del step, engine, close
-    gc.collect()
-    return out
+    return times, cpu, loss, first
 
 
 def batches_for_rank(config: GPTConfig, args, rank: int, world: int) -> list:
@@ -344,7 +372,7 @@ def report(preset: str, summary: dict, args) -> str:
              "peak RSS per rank (MiB) | model-state theory (MiB) | final loss |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for v, r in rows.items():
-        other = COUNTERPART.get(v)
+        other = next((v.removesuffix(w) for w in WATCHED if v.endswith(w)), COUNTERPART.get(v))
         vs_torch = f"{med[v] / med[other]:.2f} x {other}" if other in med else ""
         vs_floor = f"{med[v] / floor:.2f}" if floor and v != floor_name else ""
         peak = " / ".join(f"{b / MiB:.0f}" for b in r["peak_rss"] if b is not None)
@@ -375,7 +403,7 @@ def report(preset: str, summary: dict, args) -> str:
 def _loss_cell(variant: str, loss: float | None, reference: float | None) -> str:
     if loss is None:
         return ""
-    if reference is None or variant not in AVERAGING or variant == "torch-ddp":
+    if reference is None or variant.split("+")[0] not in AVERAGING or variant == "torch-ddp":
         return f"{loss:.6f}"
     diff = abs(loss - reference)
     return f"{loss:.6f} (=)" if diff < 1e-4 else f"{loss:.6f} (DIFFERS from torch-ddp by {diff:.1e})"
@@ -419,7 +447,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS + EXTRA_VARIANTS)
+    watched = {f"{s}{w}" for s in WATCHABLE for w in WATCHED}
+    unknown = set(args.variants.split(",")) - set(VARIANTS + EXTRA_VARIANTS) - watched
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS + EXTRA_VARIANTS)}")
     for name in ("rounds", "steps", "batch_size", "block_size", "ranks"):

@@ -1,7 +1,9 @@
-"""Experiment loggers: the `Logger` contract and `TensorBoardLogger`.
+"""Experiment loggers: the `Logger` contract and `TensorBoardLogger` (CSVLogger and MLFlowLogger have files of their
+own).
 
 Loggers write from global rank 0 only. The Trainer sets `logger.rank = trainer.global_rank` before first use
-and makes every rank agree on the version: `logger.version = strategy.broadcast(logger.version, src=0)`.
+and makes every rank agree on the version: `logger.version = strategy.broadcast(logger.version, src=0)`. A Trainer
+takes several loggers at once (`logger=[TensorBoardLogger(...), CSVLogger(...)]`): each gets every write.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class Logger:
     def finalize(self, status: str) -> None:
         """Called at the end of fit/validate/test with "success", "failed" or "interrupted"."""
         self.save()
+
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """A ModelCheckpoint's save is complete (rank 0; maybe on a background thread for an async save)."""
 
 
 class _NoOpWriter:

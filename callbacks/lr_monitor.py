@@ -38,7 +38,7 @@ class LearningRateMonitor(Callback):
         self._last_logged_step = -1
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
-        if trainer.logger is None:
+        if not trainer.loggers:
             raise ValueError("LearningRateMonitor needs a logger, but the Trainer has none (logger=False)")
         self._last_logged_step = -1
 

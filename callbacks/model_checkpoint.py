@@ -242,11 +242,13 @@ class ModelCheckpoint(Callback):
         due, self._due = self._due, []
         stale = [old for _, remove in due for old in remove] if trainer.is_global_zero else []
 
-        def remove_stale() -> None:
+        def remove_stale() -> None:  # on rank 0, once the save is complete
             from strategies.checkpoint.files import remove
 
             for old in stale:
                 remove(old)
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
 
         links = [path for path, _ in due[1:]]
         trainer.checkpointer.save(trainer, due[0][0], async_save=self.async_save, links=links, on_done=remove_stale)

@@ -95,7 +95,7 @@ class ThroughputMonitor(Callback):
                 per_device["mfu"] = per_device["flops_per_sec"] / self.available_flops
         metrics = {f"device/{k}": v for k, v in per_device.items()}
         metrics.update({k: v * trainer.world_size for k, v in per_device.items() if k != "mfu"})
-        if trainer.logger is not None:
-            trainer.logger.log_metrics(metrics, step=trainer.global_step)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
         self.last_metrics = metrics
         self._reset_window()

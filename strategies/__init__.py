@@ -6,7 +6,7 @@ from .ddp import DDPStrategy
 from .fsdp import FSDPStrategy
 from .options import MixedPrecision
 from .registry import STRATEGIES, get_strategy
-from .sharding import FlatPieces, mark_as_unit
+from .sharding import FlatPieces, mark_as_unit, observe
 from .single import SingleDeviceStrategy
 from .zero import ZeroStrategy
 
@@ -21,4 +21,5 @@ __all__ = [
     "ZeroStrategy",
     "get_strategy",
     "mark_as_unit",
+    "observe",
 ]

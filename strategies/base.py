@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 
 from .checkpoint import loop_state
 from .compile import compile_in_place, modules_to_compile, resolve_compile
-from .sharding import ShardingEngine, ShardingSpec, gradient_access
+from .sharding import ShardingEngine, ShardingSpec, gradient_access, observe
 from .sharding import state_dict as engine_state
 from .sharding.init_record import InitRecord
 
@@ -71,20 +71,23 @@ class Strategy:
 
     def barrier(self, name: str | None = None) -> None:
         if self.distributed:
-            dist.barrier()
+            with observe.collective("barrier", None, None):
+                dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with observe.collective("broadcast_object", None, None):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with observe.collective("all_gather_object", None, None):
+            dist.all_gather_object(out, obj)
         return out
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
@@ -94,7 +97,8 @@ class Strategy:
         if not self.distributed:
             return tensor.clone()
         out = tensor.detach().clone().to(self.root_device)
-        dist.all_reduce(out, op=REDUCE_OPS[op])
+        with observe.collective("all_reduce", None, out.numel()):
+            dist.all_reduce(out, op=REDUCE_OPS[op])
         return out / self.world_size if op == "mean" else out
 
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
@@ -105,10 +109,11 @@ class Strategy:
             tensor = tensor.to(self.root_device).contiguous()
             if not self.distributed:
                 return tensor.unsqueeze(0)
-            if sync_grads:
-                return torch.stack(differentiable_all_gather(tensor))
-            out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-            dist.all_gather(out, tensor)
+            with observe.collective("all_gather", None, tensor.numel()):
+                if sync_grads:
+                    return torch.stack(differentiable_all_gather(tensor))
+                out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+                dist.all_gather(out, tensor)
             return torch.stack(out)
 
         return tree_map(lambda x: gather(x) if isinstance(x, torch.Tensor) else x, data)

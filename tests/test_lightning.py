@@ -271,7 +271,7 @@ def test_lightning_names_for_accelerator_devices_and_precision():
 
 @pytest.mark.parametrize("argument, closest", [
     ({"gpus": 2}, "devices=N with accelerator='cuda'"),
-    ({"max_time": "00:01:00"}, "max_steps or max_epochs"),
+    ({"min_steps": 10}, "max_steps, and EarlyStopping"),
     ({"overfit_batches": 1}, "limit_train_batches"),
     ({"max_epoch": 3}, "did you mean max_epochs"),
 ])

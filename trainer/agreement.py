@@ -4,7 +4,8 @@
   others waiting in backward), otherwise an error names the ranks;
 - the loss is not finite on some rank (unless on_nonfinite="ignore");
 - some rank received SIGTERM: every rank stops once this optimizer step is done;
-- some rank has no next batch (iterable data): every rank ends the epoch after this batch.
+- some rank has no next batch (iterable data): every rank ends the epoch after this batch;
+- some rank has trained longer than max_time: every rank stops once this optimizer step is done.
 
 One process needs no all-reduce; there only the finiteness check reads the loss (a sync on a GPU).
 """
@@ -23,6 +24,7 @@ class Agreement:
     nonfinite_loss: bool = False
     stop: bool = False
     last_batch: bool = False
+    out_of_time: bool = False
 
 
 def count_across_ranks(strategy: Any, flags: tuple[bool | torch.Tensor, ...]) -> list[int]:
@@ -38,19 +40,21 @@ def count_across_ranks(strategy: Any, flags: tuple[bool | torch.Tensor, ...]) ->
 
 
 def agree(
-    strategy: Any, loss: torch.Tensor | None, check_loss: bool, stop: bool, has_next: bool, where: str
+    strategy: Any, loss: torch.Tensor | None, check_loss: bool, stop: bool, has_next: bool, where: str,
+    out_of_time: bool = False,
 ) -> Agreement:
     skip = loss is None
     check_loss = check_loss and not skip
     if not strategy.distributed:
-        return Agreement(skip, check_loss and not bool(torch.isfinite(loss)), stop, not has_next)
+        return Agreement(skip, check_loss and not bool(torch.isfinite(loss)), stop, not has_next, out_of_time)
     # the loss check stays on the device: the one sync is the all-reduce's
     nonfinite_here = ~torch.isfinite(loss.detach()) if check_loss else False
-    skipping, nonfinite, stopping, ran_out = count_across_ranks(strategy, (skip, nonfinite_here, stop, not has_next))
+    flags = (skip, nonfinite_here, stop, not has_next, out_of_time)
+    skipping, nonfinite, stopping, ran_out, late = count_across_ranks(strategy, flags)
     if skipping not in (0, strategy.world_size):
         ranks = [rank for rank, flag in enumerate(strategy.all_gather_object(skip)) if flag]
         raise RuntimeError(
             f"training_step returned None on rank(s) {ranks} but not on the others at {where}; every rank must "
             "skip the same batch"
         )
-    return Agreement(skipping > 0, nonfinite > 0, stopping > 0, ran_out > 0)
+    return Agreement(skipping > 0, nonfinite > 0, stopping > 0, ran_out > 0, late > 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any
 
 import torch
@@ -107,3 +108,41 @@ def check_timeout(timeout: Any) -> datetime.timedelta:
 def check_clip(value: Any) -> None:
     if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"gradient_clip_val={value!r} is not valid; use None or a positive number")
+
+
+def check_profiler(profiler: Any) -> Any:
+    """None, a Profiler, or the name of one ("simple", "pytorch"), as Lightning takes it."""
+    from .profilers import PROFILERS, Profiler
+
+    if profiler is None or isinstance(profiler, Profiler):
+        return profiler
+    if isinstance(profiler, str):
+        if profiler not in PROFILERS:
+            raise ValueError(f"profiler={profiler!r} is not valid; choose one of {list(PROFILERS)} or a "
+                             "trainer.profilers.Profiler")
+        return PROFILERS[profiler]()
+    raise TypeError(f"profiler={profiler!r} must be None, a name ({list(PROFILERS)}) or a trainer.profilers.Profiler")
+
+
+_DURATION = re.compile(r"(\d+):(\d\d):(\d\d):(\d\d)")
+
+
+def check_max_time(value: Any) -> datetime.timedelta | None:
+    """Lightning's forms: "DD:HH:MM:SS", a timedelta, or a dict of timedelta's arguments ({"hours": 1})."""
+    duration = None
+    if isinstance(value, datetime.timedelta):
+        duration = value
+    elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
+        days, hours, minutes, seconds = map(int, match.groups())
+        duration = datetime.timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+    elif isinstance(value, dict):
+        try:
+            duration = datetime.timedelta(**value)
+        except TypeError:
+            duration = None
+    elif value is None:
+        return None
+    if duration is None or duration <= datetime.timedelta(0):
+        raise ValueError(f"max_time={value!r} is not valid; use a string 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a "
+                         "positive datetime.timedelta, or a dict of its arguments (e.g. {'hours': 12})")
+    return duration

@@ -42,14 +42,17 @@ def build_callbacks(callbacks: Any, progress_bar: bool, checkpointing: bool, mod
     return callbacks
 
 
-def build_logger(logger: bool | Logger, root_dir: str) -> Logger | None:
+def build_loggers(logger: bool | Logger | list[Logger], root_dir: str) -> list[Logger]:
+    """True: a TensorBoardLogger; False or None: none; a Logger, or a list of them (each gets every write)."""
     if logger is True:
-        return TensorBoardLogger(save_dir=root_dir)
+        return [TensorBoardLogger(save_dir=root_dir)]
     if logger is False or logger is None:
-        return None
-    if not isinstance(logger, Logger):
-        raise TypeError(f"logger must be True, False or a callbacks.Logger, got {type(logger).__name__}")
-    return logger
+        return []
+    loggers = list(logger) if isinstance(logger, (list, tuple)) else [logger]
+    for one in loggers:
+        if not isinstance(one, Logger):
+            raise TypeError(f"logger must be True, False, a callbacks.Logger or a list of them, got {one!r}")
+    return loggers
 
 
 def start_ranks(trainer: Trainer, devices: int, device_ids: list[int] | None, num_nodes: int, timeout: Any) -> int:
@@ -80,7 +83,9 @@ def start_ranks(trainer: Trainer, devices: int, device_ids: list[int] | None, nu
         device = torch.device("cuda", device_ids[local_rank] if device_ids else local_rank)
         torch.cuda.set_device(device)
     trainer.strategy.connect(device, world_size, rank)
-    if trainer.logger is not None:
-        trainer.logger.rank = rank
-        trainer.logger.version = trainer.strategy.broadcast(trainer.logger.version)
+    for logger in trainer.loggers:
+        logger.rank = rank
+    versions = trainer.strategy.broadcast([logger.version for logger in trainer.loggers])  # one broadcast for all
+    for logger, version in zip(trainer.loggers, versions):
+        logger.version = version
     return local_rank

@@ -22,8 +22,9 @@ def to_step(trainer: Trainer, batch: Any, real: bool = True) -> Any:
 
 
 def log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
-    if metrics and trainer.logger is not None and trainer.is_global_zero:
-        trainer.logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=trainer.global_step)
+    if metrics and trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=trainer.global_step)
 
 
 def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None, log: bool = True) -> dict[str, float]:

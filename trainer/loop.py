@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +45,8 @@ class StepRunner:
         self._unsynced = False  # the window's gradients await the reduction no_sync held back
         self._skip_window = False  # a non-finite loss in this accumulation window (on_nonfinite="skip")
         self._stop_requested = False  # the ranks agreed to stop on a signal; this optimizer step is done
+        self._out_of_time = False  # the ranks agreed that max_time has passed; this optimizer step is done
+        self._clock: tuple[float, float] = (0.0, 0.0)  # (time_elapsed before this fit, when its training started)
         self.agreed = Agreement()  # the ranks' agreement after the latest training_step
         self._batches: Any = None  # this epoch's training batches
 
@@ -60,14 +63,19 @@ class StepRunner:
         t._call("on_fit_start")
         self._sanity_check()
         t._call("on_train_start")
+        t.timer.start()
+        self._clock = (t.state.time_elapsed, time.monotonic())
         while not self._finished():
             self.train_epoch()
+        if self._out_of_time and t.is_global_zero:
+            print(f"[trainer] max_time={t.max_time} reached: every rank stopped after global step {t.global_step}",
+                  flush=True)
         if self.strategy.reduce_boolean_decision(t.signal_watch.received is not None, all=False):
             raise self._preempt()  # the signal came after the last step (in the last validation, say)
         t._call("on_train_end")
         t._call("on_fit_end")
-        if t.logger is not None:
-            t.logger.finalize("success")
+        for logger in t.loggers:
+            logger.finalize("success")
 
     def _check_val_check_interval(self) -> None:
         """An interval that validation can never reach is a mistake, not a run without validation."""
@@ -90,24 +98,25 @@ class StepRunner:
 
     def _log_start(self) -> None:
         t = self.trainer
-        if t.logger is not None:
-            t.logger.log_hyperparams(dict(self.module.hparams))
+        for logger in t.loggers:
+            logger.log_hyperparams(dict(self.module.hparams))
         self._log_memory()
 
     def _log_memory(self) -> None:
         """Every rank's memory report (memory/rank<r>/<kind>_MiB, and memory/rank<r>/trainable_elements), at the
         start and at each epoch's end."""
         t = self.trainer
-        if t.logger is None:  # the same on every rank: nothing to gather for
+        if not t.loggers:  # the same on every rank: nothing to gather for
             return
         reports = self.strategy.all_gather_object(self.strategy.memory_report())
         metrics = dict(_memory_metric(r, k, v) for r, report in enumerate(reports) for k, v in report.items())
         if t.is_global_zero:
-            t.logger.log_metrics(metrics, step=t.global_step)
+            for logger in t.loggers:
+                logger.log_metrics(metrics, step=t.global_step)
 
     def _finished(self) -> bool:
         t = self.trainer
-        if t.should_stop or (t.max_steps > 0 and t.global_step >= t.max_steps):
+        if t.should_stop or self._out_of_time or (t.max_steps > 0 and t.global_step >= t.max_steps):
             return True
         return t.max_epochs > 0 and t.current_epoch >= t.max_epochs
 
@@ -123,12 +132,14 @@ class StepRunner:
             with self._naming_the_step(batch_idx):
                 self.train_batch(batch, batch_idx)
                 if self._validation_due(batch_idx):
-                    self.validate()
+                    with t.timer.phase("validation"):
+                        self.validate()
             if self._stop_requested:
                 raise self._preempt()
-            if t.max_steps > 0 and t.global_step >= t.max_steps and batch_idx + 1 < t.num_training_batches:
+            limit = self._out_of_time or (t.max_steps > 0 and t.global_step >= t.max_steps)
+            if limit and batch_idx + 1 < t.num_training_batches:
                 return  # stopped inside the epoch: it is not over, and a resume continues it at the next batch
-            if t.should_stop or (t.max_steps > 0 and t.global_step >= t.max_steps) or self.agreed.last_batch:
+            if t.should_stop or limit or self.agreed.last_batch:
                 break
         if self.agreed.last_batch and self.strategy.distributed:
             report_unused(self._batches, self.strategy, t.current_epoch, t.state.batches_done_in_epoch)
@@ -209,7 +220,7 @@ class StepRunner:
         t = self.trainer
         batch = to_step(t, batch)
         t._call("on_train_batch_start", batch, batch_idx)
-        with t.precision.autocast(), self.strategy.forward_context():
+        with t.timer.phase("forward"), t.precision.autocast(), self.strategy.forward_context():
             output = self.module.training_step(batch, batch_idx)
         if not self.module.automatic_optimization:  # training_step did backward and the steps itself
             outputs = self._manual_outputs(output, batch_idx)
@@ -231,14 +242,16 @@ class StepRunner:
                 outputs = {"loss": loss.detach()}
             if window_end:
                 self._optimizer_step(batch_idx)
-                self._stop_requested = agreed.stop
+                self._stop_requested, self._out_of_time = agreed.stop, agreed.out_of_time
         t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
+        t.state.time_elapsed = self._elapsed()
         t._call("on_train_batch_end", outputs, batch, batch_idx)
 
     def _manual_outputs(self, output: Any, batch_idx: int) -> Any:
         """Manual optimization: the ranks still agree on a signal or data that ran out; global_step counts the
         optimizer steps training_step took (trainer.py counts them)."""
-        self._stop_requested = self._agree(None, batch_idx).stop  # no loss to check
+        agreed = self._agree(None, batch_idx)  # no loss to check
+        self._stop_requested, self._out_of_time = agreed.stop, agreed.out_of_time
         self._log_step_metrics()
         return output
 
@@ -259,11 +272,16 @@ class StepRunner:
         t = self.trainer
         has_next = self._batches.has_next if isinstance(self._batches, Lookahead) else True
         stop = t.signal_watch.received is not None
-        self.agreed = agree(self.strategy, loss, t.nonfinite.checks, stop, has_next, self._where(batch_idx))
+        late = t.max_time is not None and self._elapsed() >= t.max_time.total_seconds()
+        self.agreed = agree(self.strategy, loss, t.nonfinite.checks, stop, has_next, self._where(batch_idx), late)
         if self.agreed.nonfinite_loss and not self._skip_window:  # a window counts once
             self._nonfinite(f"loss ({nonfinite_losses(self.strategy, loss)})", batch_idx)
             self._skip_window = True
         return self.agreed
+
+    def _elapsed(self) -> float:
+        """Seconds trained, over resumes too (max_time counts them, as Lightning's Timer does)."""
+        return self._clock[0] + time.monotonic() - self._clock[1]
 
     def _where(self, batch_idx: int) -> str:
         t = self.trainer
@@ -279,18 +297,19 @@ class StepRunner:
             return
         stepping = not self._skip_window
         self._backward_in_window = self._skip_window = False
-        if self._unsynced:  # the window's last batch was skipped: its earlier backwards were never averaged
-            self.strategy.synchronize_gradients()
-            self._unsynced = False
-        any_rank = lambda flag: self.strategy.reduce_boolean_decision(flag, all=False)  # noqa: E731
-        if stepping and t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
-            t._call("on_before_optimizer_step", self.optimizer)  # before clipping, as Lightning
-            if t.gradient_clip_val is not None:
-                stepping = self._clip_gradients(batch_idx)
-            if stepping:
-                self.optimizer.step()
-        t._call("on_before_zero_grad", self.optimizer)
-        self.optimizer.zero_grad()
+        with t.timer.phase("optimizer"):
+            if self._unsynced:  # the window's last batch was skipped: its earlier backwards were never averaged
+                self.strategy.synchronize_gradients()
+                self._unsynced = False
+            any_rank = lambda flag: self.strategy.reduce_boolean_decision(flag, all=False)  # noqa: E731
+            if stepping and t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
+                t._call("on_before_optimizer_step", self.optimizer)  # before clipping, as Lightning
+                if t.gradient_clip_val is not None:
+                    stepping = self._clip_gradients(batch_idx)
+                if stepping:
+                    self.optimizer.step()
+            t._call("on_before_zero_grad", self.optimizer)
+            self.optimizer.zero_grad()
         t.state.global_step += 1
         step_schedulers(t, "step", t.global_step)
         self._log_step_metrics()
@@ -299,9 +318,12 @@ class StepRunner:
         t = self.trainer
         if t.nonfinite.skipped:
             t.metrics.record("skipped_nonfinite_steps", t.nonfinite.skipped)
+        t.timer.end_step()
+        if t.profiler is not None:
+            t.profiler.step(t)
         step_metrics = t.metrics.pop_step_metrics()
         if t.global_step % t.log_every_n_steps == 0:
-            self._log(step_metrics)
+            self._log({**step_metrics, **t.timer.window_metrics()})  # time/*: where this window's steps went
 
     def _clip_gradients(self, batch_idx: int) -> bool:
         """Clip by the global norm; False to skip the step when that norm is not finite (on_nonfinite="skip").

@@ -154,9 +154,11 @@ def manual_optimization(trainer: Trainer) -> None:
                          "unscale and may skip steps); use 'bf16-mixed', or automatic optimization")
 
     def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        trainer.timer.push("optimizer")
         trainer._call("on_before_optimizer_step", optimizer)
 
     def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        trainer.timer.pop("optimizer")
         trainer.state.global_step += 1
 
     for optimizer in trainer.optimizers:

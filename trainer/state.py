@@ -16,6 +16,8 @@ class TrainerState:
     batches_done_in_epoch: int = (
         0  # micro-batches of the current epoch already trained (for mid-epoch resume)
     )
+    time_elapsed: float = 0.0  # seconds of training so far, over resumes too (max_time counts them); checkpoints
+    # keep it beside the rest of this state, which is the same for runs that trained alike
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

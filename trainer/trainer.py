@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import math
 import os
@@ -25,6 +26,8 @@ from . import config, construction, evaluation, planning
 from .checkpoint import Saver, find_last
 from .data import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
+from .divergence import enabled_by_env as divergence_by_env
+from .instruments import during_fit
 from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
@@ -32,7 +35,9 @@ from .nonfinite import NonFiniteGuard
 from .optimizers import SchedulerConfig, configure_optimizers, manual_optimization
 from .precision import Precision, check_precision
 from .preemption import SignalWatch
+from .profilers import Profiler
 from .state import TrainerState
+from .timing import StepTimer
 from .unsupported import refuse as refuse_unsupported
 
 # What fast_dev_run turns off, as Lightning does: nothing is saved, logged or stopped early.
@@ -57,7 +62,7 @@ class Trainer:
         limit_test_batches: int | float = 1.0,
         log_every_n_steps: int = 50,
         callbacks: list[Callback] | None = None,
-        logger: bool | Logger = True,
+        logger: bool | Logger | list[Logger] = True,
         default_root_dir: str | os.PathLike = "runs",
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
@@ -73,6 +78,9 @@ class Trainer:
         fast_dev_run: bool | int = False,
         use_distributed_sampler: bool = True,
         gradient_clip_algorithm: str = "norm",
+        profiler: str | Profiler | None = None,
+        detect_divergence: bool = False,
+        max_time: str | datetime.timedelta | dict[str, float] | None = None,
         **unsupported: Any,
     ) -> None:
         # Every argument is checked here, before any rank is started.
@@ -108,6 +116,10 @@ class Trainer:
         config.check_positive_int("log_every_n_steps", log_every_n_steps)
         config.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
         self.nonfinite = NonFiniteGuard(on_nonfinite)
+        self.profiler = config.check_profiler(profiler)
+        self.detect_divergence = config.check_bool("detect_divergence", detect_divergence) or divergence_by_env()
+        self.max_time = config.check_max_time(max_time)
+        self.timer = StepTimer()  # where each step's time goes (timing.py); every fit
         if sync_batchnorm and self.accelerator != "cuda":
             raise ValueError("sync_batchnorm=True needs accelerator='cuda': torch's SyncBatchNorm runs on GPUs only")
         if not isinstance(compile, bool):
@@ -128,9 +140,9 @@ class Trainer:
         self.sync_batchnorm, self.deterministic = sync_batchnorm, deterministic
         self.callbacks = construction.build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
                                                       enable_model_summary)
-        self.logger = construction.build_logger(logger, self.default_root_dir)
-        self.local_rank = construction.start_ranks(self, devices, self._device_ids, num_nodes,
-                                                   config.check_timeout(timeout))
+        self.loggers = construction.build_loggers(logger, self.default_root_dir)
+        self.timeout = config.check_timeout(timeout)
+        self.local_rank = construction.start_ranks(self, devices, self._device_ids, num_nodes, self.timeout)
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
@@ -157,8 +169,16 @@ class Trainer:
     current_epoch = property(lambda self: self.state.epoch)
     callback_metrics = property(lambda self: self.metrics.callback_metrics)
     progress_bar_metrics = property(lambda self: self.metrics.progress_bar_metrics)
-    loggers = property(lambda self: [self.logger] if self.logger else [])
     log_dir = property(lambda self: self.logger.log_dir if self.logger else self.default_root_dir)
+
+    @property
+    def logger(self) -> Logger | None:
+        """The first of `loggers` (as Lightning); setting it replaces them all."""
+        return self.loggers[0] if self.loggers else None
+
+    @logger.setter
+    def logger(self, logger: Logger | None) -> None:
+        self.loggers = [] if logger is None else [logger]
 
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
@@ -196,7 +216,8 @@ class Trainer:
             manual_optimization(self)
         if ckpt_path is not None:
             self._restore(ckpt_path)
-        with self.signal_watch, self._stage("fit"):  # SIGTERM stays noted until the stage has ended
+        # SIGTERM stays noted until the stage has ended; the step timer, profiler and divergence check watch the fit
+        with self.signal_watch, self._stage("fit"), during_fit(self):
             StepRunner(self, train_loader, val_loader).fit()
 
     def validate(
@@ -287,10 +308,11 @@ class Trainer:
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() with the precision's scaling, between the on_before_backward and on_after_backward
         hooks (in which `.grad` is never None for a parameter that got a gradient)."""
-        scaled = self.precision.scale_loss(loss)
-        self._call("on_before_backward", scaled)
-        scaled.backward()
-        self._call("on_after_backward")
+        with self.timer.phase("backward"):
+            scaled = self.precision.scale_loss(loss)
+            self._call("on_before_backward", scaled)
+            scaled.backward()
+            self._call("on_after_backward")
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:
@@ -322,16 +344,16 @@ class Trainer:
         except BaseException as error:
             self.checkpointer.wait(raise_errors=False)
             self._call("on_exception", error)
-            if self.logger is not None:
-                self.logger.finalize("failed")
+            for logger in self.loggers:
+                logger.finalize("failed")
             raise
         finally:
             self._call("teardown", stage=stage)
             self.module.teardown(stage)
             if self.datamodule is not None:
                 self.datamodule.teardown(stage)
-            if self.logger is not None:
-                self.logger.save()
+            for logger in self.loggers:
+                logger.save()
 
     def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
         """Run a hook on every callback, then on the module if it defines one of that name."""

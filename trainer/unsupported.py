@@ -8,12 +8,10 @@ from typing import Any
 CLOSEST = {
     "min_epochs": "max_epochs / max_steps, and EarlyStopping(patience=...) to stop later",
     "min_steps": "max_steps, and EarlyStopping(patience=...) to stop later",
-    "max_time": "max_steps or max_epochs (a time limit is not supported)",
     "limit_predict_batches": "a predict DataLoader over fewer samples",
     "overfit_batches": "limit_train_batches=n with a loader whose shuffle=False",
     "benchmark": "torch.backends.cudnn.benchmark = True before fit",
     "inference_mode": "validation, test and predict already run under torch.no_grad()",
-    "profiler": "torch.profiler.profile(...) around trainer.fit, or in a Callback",
     "detect_anomaly": "torch.autograd.set_detect_anomaly(True) before fit",
     "barebones": "logger=False, enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False",
     "plugins": "precision=... and strategy=... (a Strategy object holds the options)",

@@ -1,8 +1,9 @@
-"""Stateless collective calls on flat buffers, each one counted.
+"""Stateless collective calls on flat buffers, each one counted and reported to whoever watches (observe.py).
 
 Counts are elements each rank sends, by the textbook ring algorithm: an all-reduce of n elements sends about 2n,
 an all-gather producing n elements about n, a reduce-scatter of an n-element input about n. Invariant 3 of the
-design is checked against these counts.
+design is checked against these counts. `unit` names the engine's unit a call is made for (timing, profiler
+ranges and divergence checks report it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from . import observe
 
 Work = Any  # torch.distributed.Work, or None for a finished call
 
@@ -61,18 +64,32 @@ def describe(backend: str) -> str:
 
 
 class Pending:
-    """Several in-flight works, and what to do once all are done."""
+    """Several in-flight works, what to do once all are done, and the watched call they make up (or None)."""
 
-    def __init__(self, works: list[Any], then: Any = None) -> None:
-        self.works, self.then = works, then
+    def __init__(self, works: list[Any], then: Any = None, call: observe.Call | None = None) -> None:
+        self.works, self.then, self.call = works, then, call
+        self.abandoned: BaseException | None = None  # a watcher refused the wait (ranks out of step)
+        if call is not None:
+            call.issued()
 
     def wait(self) -> None:
+        if self.abandoned is not None:
+            raise self.abandoned  # never wait for a collective the other ranks will not make
+        call, self.call = self.call, None
+        if call is not None:
+            try:
+                call.waiting()
+            except BaseException as error:
+                self.abandoned = error
+                raise
         for work in self.works:
             if work is not None:
                 work.wait()
         if self.then is not None:
             self.then()
             self.then = None
+        if call is not None:
+            call.done()
 
 
 # One rank has nothing to communicate, so it skips the collectives (and fsdp keeps its parameters in place, as
@@ -139,28 +156,31 @@ def _peers(group: Any) -> tuple[int, int, list[int]]:
     return rank, size, [(rank + k) % size for k in range(1, size)]
 
 
-def all_reduce_sum(buffer: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:
+def all_reduce_sum(buffer: torch.Tensor, group: Any, stats: CommStats, async_op: bool, unit: str = "") -> Work:
     """Sum `buffer` across ranks in place (callers divide by the world size)."""
     if _alone(group):
         return None
+    call = observe.start("all_reduce", unit, buffer.numel(), group)
     stats.add("all_reduce", 2 * buffer.numel())
     pieces = _chunks(buffer.numel(), buffer.element_size()) if _on_gloo(group) else [(0, buffer.numel())]
     works = [dist.all_reduce(buffer[a:b], group=group, async_op=True) for a, b in pieces]
-    pending = Pending(works)
+    pending = Pending(works, call=call)
     if not async_op:
         pending.wait()
     return pending
 
 
-def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:
+def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Any, stats: CommStats, async_op: bool,
+                       unit: str = "") -> Work:
     """Sum `full` across ranks and leave this rank's slice in `shard`."""
     n = shard.numel()
     return reduce_scatter_parts(shard, [[full[r * n : (r + 1) * n]] for r in range(full.numel() // n)], group,
-                                stats, async_op)
+                                stats, async_op, unit)
 
 
 def reduce_scatter_parts(
-    shard: torch.Tensor, parts: list[list[torch.Tensor]], group: Any, stats: CommStats, async_op: bool
+    shard: torch.Tensor, parts: list[list[torch.Tensor]], group: Any, stats: CommStats, async_op: bool,
+    unit: str = "",
 ) -> Work:
     """A reduce-scatter whose input is given in parts: `parts[r]` are tensors that, flattened and concatenated,
     make rank r's slice (as long as `shard`). On gloo each part is sent as it is, so a unit's gradients need not
@@ -169,18 +189,21 @@ def reduce_scatter_parts(
         torch.cat([t.reshape(-1) for t in parts[0]], out=shard)
         return None
     n = shard.numel()
+    on_gloo = _on_gloo(group)
+    channel = "reduce_scatter" if on_gloo else observe.ORDERED  # gloo: tagged messages, in order among their kind
+    call = observe.start("reduce_scatter", unit, n * len(parts), group, channel)
     stats.add("reduce_scatter", n * len(parts))
-    if not _on_gloo(group):
+    if not on_gloo:
         full = torch.cat([t.reshape(-1) for rank_parts in parts for t in rank_parts])
-        pending = Pending([_reduce_scatter_single(shard, full, group=group, async_op=True)])
+        pending = Pending([_reduce_scatter_single(shard, full, group=group, async_op=True)], call=call)
     else:
-        pending = _gloo_reduce_scatter(shard, parts, group)
+        pending = _gloo_reduce_scatter(shard, parts, group, call)
     if not async_op:
         pending.wait()
     return pending
 
 
-def _gloo_reduce_scatter(shard: torch.Tensor, parts: list[list[torch.Tensor]], group: Any) -> Pending:
+def _gloo_reduce_scatter(shard: torch.Tensor, parts: list[list[torch.Tensor]], group: Any, call: Any) -> Pending:
     """The first peer's slice is received straight into `shard`, the others' into a buffer; the own parts are
     added once everything has arrived (a fixed order on every rank: first peer, own, other peers by rank)."""
     rank, _, peers = _peers(group)
@@ -197,28 +220,31 @@ def _gloo_reduce_scatter(shard: torch.Tensor, parts: list[list[torch.Tensor]], g
         for other in others:
             shard.add_(other)
 
-    return Pending(_exchange(sends, recvs, group, REDUCE_SCATTER_TAG), add_received)
+    return Pending(_exchange(sends, recvs, group, REDUCE_SCATTER_TAG), add_received, call)
 
 
-def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool) -> Work:
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool,
+               unit: str = "") -> Work:
     """Concatenate every rank's `shard` into `full`. `shard` may be this rank's own place in `full`."""
     n = shard.numel()
     if _alone(group):
         if shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
         return None
+    on_gloo = _on_gloo(group)
+    call = observe.start("all_gather", unit, full.numel(), group, "all_gather" if on_gloo else observe.ORDERED)
     stats.add("all_gather", full.numel())
     rank, _, peers = _peers(group)
     own = full[rank * n : (rank + 1) * n]
-    if _on_gloo(group):
+    if on_gloo:
         # Each rank's shard lands straight in its place in `full`.
         if shard.data_ptr() != own.data_ptr():
             own.copy_(shard)
         sends, recvs = [(own, p) for p in peers], [(full[p * n : (p + 1) * n], p) for p in peers]
-        pending = Pending(_exchange(sends, recvs, group, ALL_GATHER_TAG))
+        pending = Pending(_exchange(sends, recvs, group, ALL_GATHER_TAG), call=call)
     else:
         # `shard` may be `own` itself: nccl gathers in place when the input is the output's own slice.
-        pending = Pending([_all_gather_single(full, shard, group=group, async_op=True)])
+        pending = Pending([_all_gather_single(full, shard, group=group, async_op=True)], call=call)
     if not async_op:
         pending.wait()
     return pending

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import observe
 from .collectives import CommStats, one_rank_collectives, wait
 from .forward import ForwardHooks
 from .gradients import ShardedGradients, read_used_flags
@@ -97,7 +98,8 @@ class ShardingEngine:
         """Rank 0's buffers are the truth (parameters are broadcast per unit, see _build_units)."""
         if self.groups.data_parallel_size > 1:
             for b in (b for b in self.module.buffers() if not b.is_meta):
-                dist.broadcast(b.data, src=self.groups.source, group=self.groups.everyone)
+                with observe.collective("broadcast", "<buffers>", b.numel(), self.groups.everyone):
+                    dist.broadcast(b.data, src=self.groups.source, group=self.groups.everyone)
 
     def _build_units(self, wrap_policy: WrapPolicy | None) -> list[ShardUnit]:
         if self.spec.shard_parameters:

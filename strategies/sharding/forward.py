@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import observe
 from .hooks import call_after_inputs_grad, call_before_outputs_grad, cast_floating
 from .unit import ParamState, ShardUnit
 
@@ -105,6 +106,8 @@ class ForwardHooks:
         self.depth += 1
         if self.depth == 1:
             self._start_pass()
+        if unit is not None and unit is not self.root:
+            observe.unit_forward(unit.name, True)  # (a profiler's named range; nothing unwatched)
         if unit is not None:
             unit.unshard()  # (the root too: an optimizer step inside a pass, as in a GAN's, reshards it)
         if unit is None or unit is self.root:
@@ -129,6 +132,7 @@ class ForwardHooks:
                 unit.reshard()
             if torch.is_grad_enabled():
                 call_before_outputs_grad(output, lambda: self._pre_backward(unit))
+            observe.unit_forward(unit.name, False)
         self.depth -= 1
         if self.depth == 0:
             self._end_pass()

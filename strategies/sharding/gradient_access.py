@@ -9,6 +9,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from . import observe
 from .engine import ShardingEngine
 
 
@@ -33,7 +34,8 @@ def clip_grad_norm_(engine: ShardingEngine, max_norm: float, params: list[torch.
     for square in squares:
         total += square.to(engine.device, dtype)
     if engine.spec.shard_optimizer_state and engine.world_size > 1:
-        dist.all_reduce(total, group=engine.groups.shard)
+        with observe.collective("all_reduce", "<gradient norm>", 1, engine.groups.shard):
+            dist.all_reduce(total, group=engine.groups.shard)
     total = total.sqrt()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:

@@ -89,7 +89,8 @@ class ReplicatedGradients:
                 self.views[index].zero_()
                 self.zeroed[index] = True
         fill_flags(self.flags, has_grad)
-        self._work = all_reduce_sum(self.buffer, self.unit.groups.everyone, self.unit.stats, async_op=True)
+        self._work = all_reduce_sum(self.buffer, self.unit.groups.everyone, self.unit.stats, async_op=True,
+                                    unit=self.unit.name)
         self._launched = True
 
     def finish(self) -> None:
@@ -215,7 +216,8 @@ class ShardedGradients:
                 p.grad = None
         self._output = torch.empty(self.size + len(unit.params), dtype=unit.reduce_dtype,
                                    device=unit.device)
-        self._work = reduce_scatter_parts(self._output, self._parts(), unit.groups.shard, unit.stats, async_op=True)
+        self._work = reduce_scatter_parts(self._output, self._parts(), unit.groups.shard, unit.stats, async_op=True,
+                                          unit=unit.name)
 
     def advance(self) -> None:
         """Free what backward no longer needs: the `.grad` tensors, once the reduce-scatter has sent them. Under
@@ -237,7 +239,7 @@ class ShardedGradients:
     def _start_across_groups(self) -> None:
         self._wait_reduce_scatter()
         unit = self.unit
-        self._work = all_reduce_sum(self._output, unit.groups.replicate, unit.stats, async_op=True)
+        self._work = all_reduce_sum(self._output, unit.groups.replicate, unit.stats, async_op=True, unit=unit.name)
         self._across_groups = True
 
     def finish(self) -> None:

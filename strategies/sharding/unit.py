@@ -152,7 +152,8 @@ class ShardUnit:
             else:
                 own.copy_(master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
             whole = self.full_flat[segment.start : segment.start + segment.chunk * self.world_size]
-            self._gather_works.append(all_gather(whole, own, self.groups.shard, self.stats, async_op=True))
+            self._gather_works.append(all_gather(whole, own, self.groups.shard, self.stats, async_op=True,
+                                                  unit=self.name))
         self.state = ParamState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -173,6 +174,8 @@ class ShardUnit:
         error naming it until the unit is gathered again (placeholder.py)."""
         if not self.spec.shard_parameters or self.state is ParamState.SHARDED:
             return
+        if any(getattr(work, "abandoned", None) is not None for work in self._gather_works):
+            return  # its gather may still write into the buffer: keep it while the run fails
         self.wait_unshard()
         self.full_flat.untyped_storage().resize_(0)
         self._mark_sharded()
@@ -214,7 +217,8 @@ class ShardUnit:
         lo, hi = self.layout.shard_range(self.rank)
         if not self.master_is_in_full_flat:
             self.full_flat[lo:hi].copy_(self.master)  # to the compute dtype
-        return all_gather(self.full_flat, self.full_flat[lo:hi], self.groups.shard, self.stats, async_op=True)
+        return all_gather(self.full_flat, self.full_flat[lo:hi], self.groups.shard, self.stats, async_op=True,
+                          unit=self.name)
 
     def gather_full_master(self) -> torch.Tensor:
         """Every rank's master slice gathered into a new full-precision flat tensor (fsdp, mixed precision)."""
@@ -230,7 +234,7 @@ class ShardUnit:
             if segment.shard_start + segment.chunk <= shard.numel():
                 whole = full[segment.start : segment.start + segment.chunk * self.world_size]
                 own = shard[segment.shard_start : segment.shard_start + segment.chunk].to(self.device)
-                all_gather(whole, own, self.groups.shard, self.stats, async_op=False)
+                all_gather(whole, own, self.groups.shard, self.stats, async_op=False, unit=self.name)
         return full
 
     # ---- backward -----------------------------------------------------------------------------------

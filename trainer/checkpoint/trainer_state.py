@@ -24,8 +24,11 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
     for cb in trainer.callbacks:
         cb.on_save_checkpoint(trainer, trainer.module, extra)
         callbacks[cb.state_key] = cb.state_dict()
+    state = asdict(trainer.state)
+    time_elapsed = state.pop("time_elapsed")  # apart: it differs between runs that are otherwise the same
     return {
-        "state": asdict(trainer.state),
+        "state": state,
+        "time_elapsed": time_elapsed,
         "lr_schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
         "callbacks": callbacks,
         "precision": trainer.precision.state_dict(),
@@ -91,6 +94,7 @@ def restore_trainer_state(trainer: Trainer, saved: dict[str, Any], rng: dict[str
     for key, value in saved["state"].items():
         if key != "stage":  # what the trainer is doing now (fit), not where the saved run was (maybe validate)
             setattr(trainer.state, key, value)
+    trainer.state.time_elapsed = saved.get("time_elapsed", 0.0)  # (checkpoints from before max_time: none)
     trainer.precision.load_state_dict(saved["precision"])
     for cb in trainer.callbacks:
         if cb.state_key in saved["callbacks"]:

@@ -1,0 +1,46 @@
+"""The `Profiler` contract: what the Trainer tells a profiler during fit (every rank)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+
+class Profiler:
+    """Told when fit starts, after every optimizer step, and when fit ends. `dirpath` and `filename` say where its
+    report goes (Lightning's arguments): by default the run's log directory; without a filename it is printed."""
+
+    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None) -> None:
+        self.dirpath = None if dirpath is None else os.fspath(dirpath)
+        self.filename = filename
+        self._summary = ""
+
+    def setup(self, trainer: Trainer) -> None:
+        """fit starts (after the strategy is set up)."""
+        if self.dirpath is None:
+            self.dirpath = trainer.log_dir or trainer.default_root_dir
+
+    def step(self, trainer: Trainer) -> None:
+        """An optimizer step ended."""
+
+    def teardown(self, trainer: Trainer, success: bool) -> None:
+        """fit ended; with `success` on every rank, so a report may gather from all of them."""
+
+    def summary(self) -> str:
+        """The last report, as text."""
+        return self._summary
+
+    def _report(self, trainer: Trainer, text: str) -> None:
+        """Print `text` on rank 0, or write it to `<dirpath>/fit-<filename>.txt` (as Lightning names it)."""
+        self._summary = text
+        if not trainer.is_global_zero:
+            return
+        if self.filename is None:
+            print(text, flush=True)
+            return
+        os.makedirs(self.dirpath, exist_ok=True)
+        with open(os.path.join(self.dirpath, f"fit-{self.filename}.txt"), "w") as f:
+            f.write(text + "\n")
