@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec, gradient_access
 from .sharding import state_dict as engine_state
+from .step_trace import ALL_REDUCE, Collective, StepTrace, identity
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -45,6 +46,7 @@ class Strategy:
         self.world_size = 1
         self.global_rank = 0
         self._connected = False
+        self._trace: StepTrace | None = None  # the collectives of the running step (see `tracing`)
         self.compile = resolve_compile(type(self).__name__, compile)
         if compile_options is not None and not isinstance(compile_options, dict):
             raise TypeError(f"{type(self).__name__}: compile_options must be a dict of torch.compile's keyword "
@@ -67,11 +69,13 @@ class Strategy:
 
     def barrier(self, name: str | None = None) -> None:
         if self.distributed:
+            self._note(Collective("barrier"))
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
             return obj
+        self._note(Collective("broadcast"))
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
@@ -79,6 +83,7 @@ class Strategy:
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
+        self._note(Collective("all_gather_object"))
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
@@ -89,6 +94,7 @@ class Strategy:
             raise ValueError(f"all_reduce: op={op!r}; choose one of {sorted(REDUCE_OPS)}")
         if not self.distributed:
             return tensor.clone()
+        self._note(Collective(ALL_REDUCE, (op, tuple(tensor.shape), str(tensor.dtype))))
         out = tensor.detach().clone().to(self.root_device)
         dist.all_reduce(out, op=REDUCE_OPS[op])
         return out / self.world_size if op == "mean" else out
@@ -101,6 +107,7 @@ class Strategy:
             tensor = tensor.to(self.root_device).contiguous()
             if not self.distributed:
                 return tensor.unsqueeze(0)
+            self._note(Collective("all_gather"))
             if sync_grads:
                 return torch.stack(differentiable_all_gather(tensor))
             out = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -108,6 +115,38 @@ class Strategy:
             return torch.stack(out)
 
         return tree_map(lambda x: gather(x) if isinstance(x, torch.Tensor) else x, data)
+
+    # ---- a rank without a batch in an evaluation step (step_trace.py) -------------------------------
+    @contextmanager
+    def tracing(self, expected: list[Collective] | None = None) -> Iterator[StepTrace]:
+        """Record the collectives made inside the block (one evaluation step); with `expected`, raise StepMismatch
+        before any collective that is not the next of `expected`, and at the end if some are left."""
+        trace = self._trace = StepTrace(expected)
+        observing = self.engine.observing(trace.unit_gather, trace.engine_collective) if self.engine else nullcontext()
+        try:
+            with observing:
+                yield trace
+        finally:
+            self._trace = None
+        trace.finish()
+
+    def repeat(self, collectives: list[Collective]) -> None:
+        """Take part in the collectives of a step this rank does not run (it has no batch): the same all-gathers
+        of units, giving its own shards, and all-reduces of what adds nothing. They must all be repeatable."""
+        for collective in collectives:
+            if collective.kind == ALL_REDUCE:
+                self.all_reduce(identity(collective, self.root_device), collective.detail[0])
+            else:
+                self.engine.repeat_gather(collective.detail[0])
+
+    @property
+    def forward_gathers(self) -> bool:
+        """Whether a forward pass of the model makes collectives by itself (fsdp over more than one rank)."""
+        return self.engine is not None and self.engine.forward_gathers
+
+    def _note(self, collective: Collective) -> None:
+        if self._trace is not None:
+            self._trace.add(collective)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)

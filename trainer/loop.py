@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
+
 from . import preemption
 from .agreement import Agreement, agree
 from .data import limit_batches, loader_length, set_epoch
@@ -31,6 +33,8 @@ from .uneven import Lookahead, report_unused
 
 if TYPE_CHECKING:
     from .trainer import Trainer
+
+READ_EPOCH_METRICS = (ModelCheckpoint, EarlyStopping, ProgressBar)  # their on_train_epoch_end comes after the metrics
 
 
 class StepRunner:
@@ -167,10 +171,14 @@ class StepRunner:
             ) from error
 
     def _end_train_epoch(self) -> None:
+        """The module's and most callbacks' on_train_epoch_end first, so that what they log belongs to this epoch;
+        then the epoch's metrics; then the callbacks that read them (as Lightning orders them)."""
         t = self.trainer
-        epoch_metrics = t.metrics.end_epoch()
-        self._log(epoch_metrics)
-        t._call("on_train_epoch_end")
+        readers = [cb for cb in t.callbacks if isinstance(cb, READ_EPOCH_METRICS)]
+        t.metrics.start_epoch_end()
+        t._call("on_train_epoch_end", skip=readers)
+        self._log(t.metrics.end_epoch())
+        t._call_callbacks(readers, "on_train_epoch_end")
         self._log_memory()
         if self.module.automatic_optimization:  # under manual optimization the user steps the schedulers
             step_schedulers(t, "epoch", t.current_epoch + 1)

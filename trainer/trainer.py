@@ -5,7 +5,8 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,6 +26,7 @@ from . import config, construction, evaluation, planning
 from .checkpoint import Saver, find_last
 from .data import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
+from .evaluation_steps import StepMemory
 from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
@@ -134,7 +136,10 @@ class Trainer:
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
-        self.metrics = MetricCollector(reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op))
+        self.metrics = MetricCollector(reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op),
+                                       gather=lambda obj: self.strategy.all_gather_object(obj))
+        self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation_steps.py)
+        self.skipped_validation: str | None = None  # why fit does not validate, when a loader was given
         self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
@@ -189,6 +194,7 @@ class Trainer:
         source = datamodule or module
         train_loader = self._loader(train_dataloaders, source.train_dataloader, "train_dataloaders", required=True)
         val_loader = self._loader(val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
+        val_loader = self._without_undefined_validation(module, val_loader)
         self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
             module, self.strategy
         )
@@ -198,6 +204,16 @@ class Trainer:
             self._restore(ckpt_path)
         with self.signal_watch, self._stage("fit"):  # SIGTERM stays noted until the stage has ended
             StepRunner(self, train_loader, val_loader).fit()
+
+    def _without_undefined_validation(self, module: TrainModule, val_loader: Any) -> Any:
+        """A module without validation_step trains without validation, as in Lightning: said once on rank 0."""
+        if val_loader is None or type(module).validation_step is not TrainModule.validation_step:
+            return val_loader
+        self.skipped_validation = f"{type(module).__name__} defines no validation_step"
+        if self.is_global_zero:
+            warnings.warn(f"validation is skipped: {self.skipped_validation}, so the validation DataLoader given "
+                          "(by fit's arguments, a datamodule or the module) is not used", stacklevel=3)
+        return None
 
     def validate(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
@@ -334,13 +350,17 @@ class Trainer:
             if self.logger is not None:
                 self.logger.save()
 
-    def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
-        """Run a hook on every callback, then on the module if it defines one of that name."""
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, self.module, *args, **kwargs)
+    def _call(self, hook: str, *args: Any, skip: Sequence[Callback] = (), **kwargs: Any) -> None:
+        """Run a hook on every callback (except those in `skip`), then on the module if it defines one of that
+        name."""
+        self._call_callbacks([cb for cb in self.callbacks if cb not in skip], hook, *args, **kwargs)
         module_hook = getattr(self.module, hook, None)
         if module_hook is not None and hook.startswith("on_") and hook not in ("on_exception",):
             module_hook(*args, **kwargs)
+
+    def _call_callbacks(self, callbacks: list[Callback], hook: str, *args: Any, **kwargs: Any) -> None:
+        for cb in callbacks:
+            getattr(cb, hook)(self, self.module, *args, **kwargs)
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, full: bool = False, async_save: bool = False) -> None:
