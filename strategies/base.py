@@ -122,9 +122,8 @@ class Strategy:
         """Record the collectives made inside the block (one evaluation step); with `expected`, raise StepMismatch
         before any collective that is not the next of `expected`, and at the end if some are left."""
         trace = self._trace = StepTrace(expected)
-        observing = self.engine.observing(trace.unit_gather, trace.engine_collective) if self.engine else nullcontext()
         try:
-            with observing:
+            with self.engine.forward_hooks.observing(trace.unit_gather, trace.engine_collective):
                 yield trace
         finally:
             self._trace = None
@@ -137,7 +136,7 @@ class Strategy:
             if collective.kind == ALL_REDUCE:
                 self.all_reduce(identity(collective, self.root_device), collective.detail[0])
             else:
-                self.engine.repeat_gather(collective.detail[0])
+                self.engine.forward_hooks.repeat_gather(collective.detail[0])
 
     @property
     def forward_gathers(self) -> bool:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .data import limit_batches
 from .evaluation_steps import run_steps
+from .module import TrainModule
 from .state import move_to_device
 
 if TYPE_CHECKING:
@@ -24,6 +26,18 @@ def to_step(trainer: Trainer, batch: Any) -> Any:
 def log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
     if metrics and trainer.logger is not None and trainer.is_global_zero:
         trainer.logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=trainer.global_step)
+
+
+def unless_undefined(trainer: Trainer, module: Any, val_loader: Any) -> Any:
+    """fit's validation loader, or None when the module defines no validation_step: it trains without validation,
+    as in Lightning, said once on rank 0 (and `trainer.skipped_validation` says why, for the monitors)."""
+    if val_loader is None or type(module).validation_step is not TrainModule.validation_step:
+        return val_loader
+    trainer.skipped_validation = f"{type(module).__name__} defines no validation_step"
+    if trainer.is_global_zero:
+        warnings.warn(f"validation is skipped: {trainer.skipped_validation}, so the validation DataLoader given "
+                      "(by fit's arguments, a datamodule or the module) is not used", stacklevel=3)
+    return None
 
 
 def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None, log: bool = True) -> dict[str, float]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -194,7 +193,7 @@ class Trainer:
         source = datamodule or module
         train_loader = self._loader(train_dataloaders, source.train_dataloader, "train_dataloaders", required=True)
         val_loader = self._loader(val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
-        val_loader = self._without_undefined_validation(module, val_loader)
+        val_loader = evaluation.unless_undefined(self, module, val_loader)
         self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
             module, self.strategy
         )
@@ -204,16 +203,6 @@ class Trainer:
             self._restore(ckpt_path)
         with self.signal_watch, self._stage("fit"):  # SIGTERM stays noted until the stage has ended
             StepRunner(self, train_loader, val_loader).fit()
-
-    def _without_undefined_validation(self, module: TrainModule, val_loader: Any) -> Any:
-        """A module without validation_step trains without validation, as in Lightning: said once on rank 0."""
-        if val_loader is None or type(module).validation_step is not TrainModule.validation_step:
-            return val_loader
-        self.skipped_validation = f"{type(module).__name__} defines no validation_step"
-        if self.is_global_zero:
-            warnings.warn(f"validation is skipped: {self.skipped_validation}, so the validation DataLoader given "
-                          "(by fit's arguments, a datamodule or the module) is not used", stacklevel=3)
-        return None
 
     def validate(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,

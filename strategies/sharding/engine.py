@@ -179,28 +179,6 @@ class ShardingEngine:
         """Whether a forward pass all-gathers parameters (fsdp over more than one rank)."""
         return self.spec.shard_parameters and self.world_size > 1
 
-    @contextmanager
-    def observing(self, unit_gather: Callable[[int, str], None], collective: Callable[[str], None]) -> Iterator[None]:
-        """Inside the block, `unit_gather(unit index, unit name)` hears of each unit's all-gather before it is
-        issued, and `collective(kind)` of every collective of the engine (those all-gathers included)."""
-        for index, unit in enumerate(self.units):
-            unit.before_gather = lambda u, i=index: unit_gather(i, u.name)
-        self.stats.observer = collective
-        try:
-            yield
-        finally:
-            self.stats.observer = None
-            for unit in self.units:
-                unit.before_gather = None
-
-    def repeat_gather(self, index: int) -> None:
-        """All-gather unit `index`'s parameters and free them again: this rank's part in a forward pass that other
-        ranks run and this one does not (it has no batch); see strategies/step_trace.py."""
-        unit = self.units[index]
-        unit.reshard()
-        unit.unshard()
-        unit.reshard()
-
     def forward_scope(self) -> AbstractContextManager:
         """Run a step method of the whole model (training_step, ...) as one forward pass (fsdp: with the root
         unit gathered, for parameters the method uses directly)."""
