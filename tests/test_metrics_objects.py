@@ -323,10 +323,13 @@ class TrainAccuracy(Classifier):
 
 def test_a_metric_object_logs_its_batch_value_per_step_and_compute_per_epoch():
     logger = Recorded()
-    trainer = Trainer(devices=1, max_epochs=2, log_every_n_steps=1, logger=logger, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    stopper = EarlyStopping("train/epoch_end", patience=1, check_on_train_epoch_end=True)  # 10, then 11: stop
+    trainer = Trainer(devices=1, max_epochs=3, log_every_n_steps=1, logger=logger, callbacks=[stopper],
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0)
     module = TrainAccuracy()
     trainer.fit(module, loader(6), loader())
+    assert (trainer.current_epoch, stopper.best_score) == (2, 10.0)  # it read what on_train_epoch_end logged
     steps = [(step, m["train/acc_step"]) for step, m in logger.logged if "train/acc_step" in m]
     assert steps == [(i + 1, pytest.approx(v)) for i, v in enumerate(module.batch_values)]
     epochs = [(step, m) for step, m in logger.logged if "train/acc_epoch" in m]

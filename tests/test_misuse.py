@@ -165,6 +165,21 @@ def test_evaluation_sees_every_sample_once_with_one_process_metrics(rank_pool, n
         torch.testing.assert_close(predicted[:, 1:], predictions, rtol=1e-5, atol=1e-6)
 
 
+def test_evaluation_shares_come_in_as_many_batches_on_every_rank_where_they_can():
+    from trainer.data import ShardBatchSampler
+
+    def sizes(n: int, ranks: int, batch_size: int) -> list[list[int]]:
+        return [[len(b) for b in ShardBatchSampler(n, ranks, r, batch_size)] for r in range(ranks)]
+
+    assert sizes(9, 2, 2) == [[2, 2, 1], [2, 1, 1]]  # a few batches one sample smaller
+    assert sizes(63, 2, 4) == [[4] * 8, [4] * 7 + [3]]
+    assert sizes(9, 1, 4) == [[4, 4, 1]]  # one rank: the loader's own batches
+    assert sizes(9, 2, 1) == [[1] * 5, [1] * 4]  # no way: rank 1 sits out the last step
+    assert sizes(1, 2, 4) == [[1], []]
+    batches = [list(ShardBatchSampler(9, 3, r, 2)) for r in range(3)]
+    assert [i for rank in batches for batch in rank for i in batch] == list(range(9))  # in order, each once
+
+
 class Heads(Probe):
     """Splits its features into heads with view(b, heads, -1), as GPT and HuggingFace attention do: a batch of
     0 samples cannot be viewed so, whatever the model."""
