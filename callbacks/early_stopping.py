@@ -20,8 +20,9 @@ class EarlyStopping(Callback):
     checks.
 
     The check runs after each validation (or at the end of each training epoch with
-    `check_on_train_epoch_end=True`, or when the fit has no validation). Rank 0's value of the metric is broadcast first, so every rank keeps the
-    same state and takes the same decision even when the metric was logged without `sync_dist`.
+    `check_on_train_epoch_end=True`, or when the fit has no validation). Rank 0's value of the metric is broadcast
+    first, so every rank keeps the same state and takes the same decision even when the metric was logged without
+    `sync_dist`.
     A missing metric is a `ValueError` with `strict=True`, otherwise the check is skipped.
     A non-finite value stops training when `check_finite=True`.
     """
