@@ -321,10 +321,21 @@ class TrainAccuracy(Classifier):
         return torch.optim.SGD(self.parameters(), lr=0.0)  # fixed weights: every batch's value is known
 
 
+class TrainEpochAtValidation(Callback):
+    """What a ModelCheckpoint at the end of validation reads of the training epoch that validation follows."""
+
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_validation_end(self, trainer, module):
+        if trainer.state.stage == "fit":
+            self.seen.append(float(trainer.callback_metrics["train/acc_epoch"]))
+
+
 def test_a_metric_object_logs_its_batch_value_per_step_and_compute_per_epoch():
-    logger = Recorded()
+    logger, at_validation = Recorded(), TrainEpochAtValidation()
     stopper = EarlyStopping("train/epoch_end", patience=1, check_on_train_epoch_end=True)  # 10, then 11: stop
-    trainer = Trainer(devices=1, max_epochs=3, log_every_n_steps=1, logger=logger, callbacks=[stopper],
+    trainer = Trainer(devices=1, max_epochs=3, log_every_n_steps=1, logger=logger, callbacks=[stopper, at_validation],
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0)
     module = TrainAccuracy()
@@ -332,11 +343,15 @@ def test_a_metric_object_logs_its_batch_value_per_step_and_compute_per_epoch():
     assert (trainer.current_epoch, stopper.best_score) == (2, 10.0)  # it read what on_train_epoch_end logged
     steps = [(step, m["train/acc_step"]) for step, m in logger.logged if "train/acc_step" in m]
     assert steps == [(i + 1, pytest.approx(v)) for i, v in enumerate(module.batch_values)]
-    epochs = [(step, m) for step, m in logger.logged if "train/acc_epoch" in m]
+    by_step: dict[int, dict] = {}
+    for step, metrics in logger.logged:
+        by_step.setdefault(step, {}).update(metrics)
+    epochs = [(step, m) for step, m in sorted(by_step.items()) if "train/acc_epoch" in m]
     assert [step for step, _ in epochs] == [3, 6]  # at the epoch's last step
     _, x, y = samples(6).tensors
     with torch.no_grad():
         accuracy = float((module(x).argmax(1) == y).float().mean())
+    assert at_validation.seen == [pytest.approx(accuracy)] * 2  # the epoch's own, when validation follows it
     for epoch, (_, metrics) in enumerate(epochs):
         assert metrics["train/acc_epoch"] == pytest.approx(accuracy)  # compute() over the epoch, then reset()
         assert metrics["train/epoch_end"] == epoch + 10  # logged in on_train_epoch_end: that epoch's entry

@@ -131,6 +131,7 @@ class StepRunner:
             with self._naming_the_step(batch_idx):
                 self.train_batch(batch, batch_idx)
                 if self._validation_due(batch_idx):
+                    self._close_training_steps(batch_idx)
                     self.validate()
             if self._stop_requested:
                 raise self._preempt()
@@ -169,6 +170,13 @@ class StepRunner:
                 f"rank {t.global_rank} failed at global step {t.global_step}, epoch {t.current_epoch}, "
                 f"batch {batch_idx}: {error}"
             ) from error
+
+    def _close_training_steps(self, batch_idx: int) -> None:
+        """Before the validation that follows the epoch's last training batch: the epoch values of its training
+        steps are complete, so they are published for what reads them after validation (ModelCheckpoint,
+        EarlyStopping); what on_train_epoch_end logs is published at the epoch's end, at the same step."""
+        if batch_idx + 1 == self.trainer.num_training_batches or self.agreed.last_batch:
+            self._log(self.trainer.metrics.end_epoch())
 
     def _end_train_epoch(self) -> None:
         """The module's and most callbacks' on_train_epoch_end first, so that what they log belongs to this epoch;
