@@ -44,3 +44,9 @@ def broadcast_metric(trainer: Trainer, name: str) -> float | None:
         value = value.float().mean().item()
     value = trainer.strategy.broadcast(value, src=0)
     return None if value is None else float(value)
+
+
+def why_missing(trainer: Trainer) -> str:
+    """What the Trainer knows of why a metric was never logged (validation that did not run), or ""."""
+    reason = getattr(trainer, "skipped_validation", None)
+    return f" Validation did not run: {reason}." if reason else ""

@@ -6,7 +6,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
-from callbacks._monitor import broadcast_metric, check_mode
+from callbacks._monitor import broadcast_metric, check_mode, why_missing
 from callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -20,8 +20,9 @@ class EarlyStopping(Callback):
     checks.
 
     The check runs after each validation (or at the end of each training epoch with
-    `check_on_train_epoch_end=True`). Rank 0's value of the metric is broadcast first, so every rank keeps the
-    same state and takes the same decision even when the metric was logged without `sync_dist`.
+    `check_on_train_epoch_end=True`, or when the fit has no validation). Rank 0's value of the metric is broadcast
+    first, so every rank keeps the same state and takes the same decision even when the metric was logged without
+    `sync_dist`.
     A missing metric is a `ValueError` with `strict=True`, otherwise the check is skipped.
     A non-finite value stops training when `check_finite=True`.
     """
@@ -65,7 +66,9 @@ class EarlyStopping(Callback):
             self._run_check(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if self.check_on_train_epoch_end and not _skip(trainer):
+        # without validation in this fit, at the end of each training epoch (as Lightning): a monitored
+        # validation metric that never comes is then an error, not a check that never runs
+        if (self.check_on_train_epoch_end or not trainer.num_val_batches) and not _skip(trainer):
             self._run_check(trainer)
 
     def _run_check(self, trainer: Trainer) -> None:
@@ -73,7 +76,7 @@ class EarlyStopping(Callback):
         if current is None:
             message = (f"EarlyStopping(monitor={self.monitor!r}) could not find the metric; available "
                        f"metrics: {sorted(trainer.callback_metrics)}. "
-                       f"Log it with self.log({self.monitor!r}, value).")
+                       f"Log it with self.log({self.monitor!r}, value).{why_missing(trainer)}")
             if self.strict:
                 raise ValueError(message)
             log.warning(message)

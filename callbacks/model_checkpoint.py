@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from callbacks._monitor import broadcast_metrics, check_mode
+from callbacks._monitor import broadcast_metrics, check_mode, why_missing
 from callbacks.base import Callback
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint(monitor={self.monitor!r}) saved nothing: {self.monitor!r} was never logged by the "
                 f"end of epoch {trainer.current_epoch - 1}; logged: {sorted(logged)}. Log it with "
                 f"self.log({self.monitor!r}, value), and if it is a validation metric check that validation runs "
-                "(val_check_interval, check_val_every_n_epoch, limit_val_batches)."
+                f"(val_check_interval, check_val_every_n_epoch, limit_val_batches).{why_missing(trainer)}"
             )
 
     def _skip(self, trainer: Trainer) -> bool:
@@ -161,7 +161,7 @@ class ModelCheckpoint(Callback):
         if self.monitor is not None and self.monitor not in metrics:
             message = (f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored metric in "
                        f"the logged metrics: {sorted(k for k in metrics if k not in ('epoch', 'step'))}. "
-                       f"Log it with self.log({self.monitor!r}, value).")
+                       f"Log it with self.log({self.monitor!r}, value).{why_missing(trainer)}")
             if strict:
                 raise ValueError(message)
             warnings.warn(message, stacklevel=2)

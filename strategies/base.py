@@ -24,6 +24,7 @@ from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec, gradient_access, observe
 from .sharding import state_dict as engine_state
 from .sharding.init_record import InitRecord
+from .step_trace import ALL_REDUCE, Collective, StepTrace, identity
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -49,6 +50,7 @@ class Strategy:
         self.world_size = 1
         self.global_rank = 0
         self._connected = False
+        self._trace: StepTrace | None = None  # the collectives of the running step (see `tracing`)
         self.compile = resolve_compile(type(self).__name__, compile)
         if compile_options is not None and not isinstance(compile_options, dict):
             raise TypeError(f"{type(self).__name__}: compile_options must be a dict of torch.compile's keyword "
@@ -71,12 +73,14 @@ class Strategy:
 
     def barrier(self, name: str | None = None) -> None:
         if self.distributed:
+            self._note(Collective("barrier"))
             with observe.collective("barrier", None, None):
                 dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not self.distributed:
             return obj
+        self._note(Collective("broadcast"))
         box = [obj]
         with observe.collective("broadcast_object", None, None):
             dist.broadcast_object_list(box, src=src)
@@ -85,6 +89,7 @@ class Strategy:
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
+        self._note(Collective("all_gather_object"))
         out: list[Any] = [None] * self.world_size
         with observe.collective("all_gather_object", None, None):
             dist.all_gather_object(out, obj)
@@ -96,6 +101,7 @@ class Strategy:
             raise ValueError(f"all_reduce: op={op!r}; choose one of {sorted(REDUCE_OPS)}")
         if not self.distributed:
             return tensor.clone()
+        self._note(Collective(ALL_REDUCE, (op, tuple(tensor.shape), str(tensor.dtype))))
         out = tensor.detach().clone().to(self.root_device)
         with observe.collective("all_reduce", None, out.numel()):
             dist.all_reduce(out, op=REDUCE_OPS[op])
@@ -109,6 +115,7 @@ class Strategy:
             tensor = tensor.to(self.root_device).contiguous()
             if not self.distributed:
                 return tensor.unsqueeze(0)
+            self._note(Collective("all_gather"))
             with observe.collective("all_gather", None, tensor.numel()):
                 if sync_grads:
                     return torch.stack(differentiable_all_gather(tensor))
@@ -117,6 +124,37 @@ class Strategy:
             return torch.stack(out)
 
         return tree_map(lambda x: gather(x) if isinstance(x, torch.Tensor) else x, data)
+
+    # ---- a rank without a batch in an evaluation step (step_trace.py) -------------------------------
+    @contextmanager
+    def tracing(self, expected: list[Collective] | None = None) -> Iterator[StepTrace]:
+        """Record the collectives made inside the block (one evaluation step); with `expected`, raise StepMismatch
+        before any collective that is not the next of `expected`, and at the end if some are left."""
+        trace = self._trace = StepTrace(expected)
+        try:
+            with self.engine.forward_hooks.observing(trace.unit_gather, trace.engine_collective):
+                yield trace
+        finally:
+            self._trace = None
+        trace.finish()
+
+    def repeat(self, collectives: list[Collective]) -> None:
+        """Take part in the collectives of a step this rank does not run (it has no batch): the same all-gathers
+        of units, giving its own shards, and all-reduces of what adds nothing. They must all be repeatable."""
+        for collective in collectives:
+            if collective.kind == ALL_REDUCE:
+                self.all_reduce(identity(collective, self.root_device), collective.detail[0])
+            else:
+                self.engine.forward_hooks.repeat_gather(collective.detail[0])
+
+    @property
+    def forward_gathers(self) -> bool:
+        """Whether a forward pass of the model makes collectives by itself (fsdp over more than one rank)."""
+        return self.engine is not None and self.engine.forward_gathers
+
+    def _note(self, collective: Collective) -> None:
+        if self._trace is not None:
+            self._trace.add(collective)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         flag = torch.tensor(int(decision), device=self.root_device)

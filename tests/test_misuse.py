@@ -86,7 +86,7 @@ class Probe(TrainModule):
         self.log(f"{stage}/batch", float(len(index)), sync_dist=True, batch_size=1)  # a plain mean over batches
 
     def on_validation_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.seen += batch[0].tolist()  # not called for the filler steps of a rank that ran out
+        self.seen += batch[0].tolist()
 
     def on_test_batch_end(self, outputs, batch, batch_idx) -> None:
         self.seen += batch[0].tolist()
@@ -116,13 +116,10 @@ def reference(weights: dict[str, torch.Tensor], n: int) -> tuple[float, torch.Te
 
 
 def mean_batch(n: int, batch_size: int = 4) -> float:
-    """The plain mean of batch sizes over the batches of 2 ranks that each take a contiguous half of n samples."""
-    sizes = [s for share in (math.ceil(n / 2), n // 2) for s in _batches(share, batch_size)]
-    return sum(sizes) / len(sizes)
-
-
-def _batches(share: int, batch_size: int) -> list[int]:
-    return [min(batch_size, share - start) for start in range(0, share, batch_size)]
+    """The plain mean of batch sizes over the batches of 2 ranks that each take a contiguous half of n samples in
+    as many batches as the larger half needs (a rank with no sample has none)."""
+    batches = 2 * math.ceil(math.ceil(n / 2) / batch_size) if n >= 2 else 1
+    return n / batches
 
 
 # -------------------------------------------------------------------------------------- 1. uneven evaluation
@@ -147,7 +144,7 @@ def body_uneven_evaluation(name: str, sizes: list[int]) -> dict:
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_evaluation_sees_every_sample_once_with_one_process_metrics(rank_pool, name):
-    sizes = [63, 9, 1]  # 9: rank 0 has 2 batches, rank 1 one; 1: rank 1 has none
+    sizes = [63, 9, 1]  # 9: 2 batches each (4 + 1, 3 + 1 samples); 1: rank 1 has none
     ranks = rank_pool(2).run(body_uneven_evaluation, name, sizes)
     weights = ranks[0]["weights"]
     loss, _ = reference(weights, 63)
@@ -168,6 +165,21 @@ def test_evaluation_sees_every_sample_once_with_one_process_metrics(rank_pool, n
         torch.testing.assert_close(predicted[:, 1:], predictions, rtol=1e-5, atol=1e-6)
 
 
+def test_evaluation_shares_come_in_as_many_batches_on_every_rank_where_they_can():
+    from trainer.data import ShardBatchSampler
+
+    def sizes(n: int, ranks: int, batch_size: int) -> list[list[int]]:
+        return [[len(b) for b in ShardBatchSampler(n, ranks, r, batch_size)] for r in range(ranks)]
+
+    assert sizes(9, 2, 2) == [[2, 2, 1], [2, 1, 1]]  # a few batches one sample smaller
+    assert sizes(63, 2, 4) == [[4] * 8, [4] * 7 + [3]]
+    assert sizes(9, 1, 4) == [[4, 4, 1]]  # one rank: the loader's own batches
+    assert sizes(9, 2, 1) == [[1] * 5, [1] * 4]  # no way: rank 1 sits out the last step
+    assert sizes(1, 2, 4) == [[1], []]
+    batches = [list(ShardBatchSampler(9, 3, r, 2)) for r in range(3)]
+    assert [i for rank in batches for batch in rank for i in batch] == list(range(9))  # in order, each once
+
+
 class Heads(Probe):
     """Splits its features into heads with view(b, heads, -1), as GPT and HuggingFace attention do: a batch of
     0 samples cannot be viewed so, whatever the model."""
@@ -181,7 +193,7 @@ class Heads(Probe):
 def body_uneven_evaluation_of_heads(name: str) -> tuple[float, list[int]]:
     trainer = Trainer(strategy=strategy(name), devices=2, timeout=20, **QUIET)
     module = Heads()
-    metrics = trainer.validate(module, loader(9))[0]  # rank 0 has 2 batches, rank 1 one
+    metrics = trainer.validate(module, loader(9))[0]  # batches of 4 and 1 on rank 0, 3 and 1 on rank 1
     return metrics["val/loss"], module.seen
 
 

@@ -2,9 +2,10 @@
 
 Training keeps torch's and Lightning's habit: a DistributedSampler with the loader's shuffle setting, which repeats
 a few samples when the dataset does not divide by the world size (reported once, on rank 0); it is one that can
-resume in the middle of an epoch exactly (resume_sampler.py). Evaluation must see
-every sample once, so it splits the dataset into contiguous shares without padding (`ShardSampler`); ranks may then
-have different numbers of batches, which `uneven.py` deals with.
+resume in the middle of an epoch exactly (resume_sampler.py). Evaluation must see every sample once, so it splits
+the dataset into contiguous shares without padding (`ShardBatchSampler`), in as many batches on every rank where
+the shares allow it; where they do not, and for iterable datasets, `uneven.py` lets a rank without a batch take
+part in the others' steps.
 """
 
 from __future__ import annotations
@@ -24,38 +25,61 @@ from torch.utils.data import (
 from .resume_sampler import ResumableSampler
 
 
-class ShardSampler(Sampler[int]):
-    """Rank `rank`'s contiguous share of the indices 0..length-1, in order and without padding. Shares differ by
-    at most one sample (the first ranks hold the extra ones, so rank 0 has the most batches); concatenated in
-    rank order they are the dataset in order."""
+class ShardBatchSampler(Sampler[list[int]]):
+    """Rank `rank`'s contiguous share of the indices 0..length-1 in batches, in order and without padding; the
+    shares differ by at most one sample (the first ranks hold the extra ones) and, concatenated in rank order, are
+    the dataset in order. Every rank gets as many batches as the largest share needs, a few of them smaller than
+    `batch_size`, so no rank runs out before the others: that holds unless a share has fewer samples than that
+    number of batches (batch_size=1 with a remainder, fewer samples than ranks). With `drop_last` each share drops
+    its own remainder."""
 
-    def __init__(self, length: int, num_replicas: int, rank: int) -> None:
-        self.bounds = [-(-length * r // num_replicas) for r in range(num_replicas + 1)]  # the first get more
-        self.rank = rank
+    def __init__(self, length: int, num_replicas: int, rank: int, batch_size: int, drop_last: bool = False) -> None:
+        bounds = [-(-length * r // num_replicas) for r in range(num_replicas + 1)]  # the first get more
+        shares = [b - a for a, b in zip(bounds, bounds[1:])]
+        batches = max(shares) // batch_size if drop_last else -(-max(shares) // batch_size)
+        self.sizes_by_rank = [_batch_sizes(share, batches, batch_size, drop_last) for share in shares]
+        self.start, self.rank = bounds[rank], rank
 
     def __iter__(self):
-        return iter(range(self.bounds[self.rank], self.bounds[self.rank + 1]))
+        start = self.start
+        for size in self.sizes_by_rank[self.rank]:
+            yield list(range(start, start + size))
+            start += size
 
     def __len__(self) -> int:
-        return self.bounds[self.rank + 1] - self.bounds[self.rank]
+        return len(self.sizes_by_rank[self.rank])
 
-    def sizes(self) -> list[int]:
-        """Samples on each rank."""
-        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
+    def batches_per_rank(self) -> list[int]:
+        return [len(sizes) for sizes in self.sizes_by_rank]
+
+
+def _batch_sizes(share: int, batches: int, batch_size: int, drop_last: bool) -> list[int]:
+    """`share` samples in `batches` batches of at most `batch_size`: full batches first, then as many one sample
+    smaller as it takes for none to be empty; fewer batches when the share is too small for that many."""
+    if drop_last or share < batches:
+        full, rest = divmod(share, batch_size)
+        return [batch_size] * full + ([rest] if rest and not drop_last else [])
+    sizes = []
+    for left_after in range(batches - 1, -1, -1):
+        sizes.append(min(batch_size, share - left_after))
+        share -= sizes[-1]
+    return sizes
 
 
 def _is_distributed(loader: DataLoader) -> bool:
+    if isinstance(loader.batch_sampler, ShardBatchSampler):
+        return True
     sampler = getattr(loader.batch_sampler, "sampler", None) if loader.batch_sampler is not None else loader.sampler
-    distributed = (DistributedSampler, ShardSampler)
-    return isinstance(loader.sampler, distributed) or isinstance(sampler, distributed)
+    return isinstance(loader.sampler, DistributedSampler) or isinstance(sampler, DistributedSampler)
 
 
 def distributed_loader(
     loader: Any, world_size: int, rank: int, seed: int, argument: str, evaluation: bool = False
 ) -> Any:
     """Rebuild `loader` for this rank with its per-rank batch size: for training with a DistributedSampler that
-    keeps its shuffle setting, for evaluation with a ShardSampler (in dataset order, each sample once). A loader
-    that already has a distributed sampler, or an iterable dataset, is left alone."""
+    keeps its shuffle setting, for evaluation with a ShardBatchSampler (in dataset order, each sample once, the
+    same number of batches on every rank). A loader that already has a distributed sampler, or an iterable dataset,
+    is left alone."""
     if loader is None:
         return None
     if not isinstance(loader, DataLoader):
@@ -71,7 +95,8 @@ def distributed_loader(
             f"{world_size} ranks automatically; give it a DistributedSampler yourself"
         )
     if evaluation:
-        sampler: Sampler = ShardSampler(len(loader.dataset), world_size, rank)
+        batches = ShardBatchSampler(len(loader.dataset), world_size, rank, loader.batch_size, loader.drop_last)
+        sampling: dict[str, Any] = {"batch_sampler": batches}
     else:
         sampler = ResumableSampler(
             loader.dataset,
@@ -83,14 +108,13 @@ def distributed_loader(
             batch_size=loader.batch_size,
             seed_batches=loader.num_workers > 0,
         )
+        sampling = {"batch_size": loader.batch_size, "sampler": sampler, "drop_last": loader.drop_last}
     rebuilt = DataLoader(
         loader.dataset,
-        batch_size=loader.batch_size,
-        sampler=sampler,
+        **sampling,
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
-        drop_last=loader.drop_last,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
@@ -119,11 +143,9 @@ def _report_repeated_samples(loader: DataLoader, rank: int) -> None:
 
 
 def batches_per_rank(loader: Any) -> list[int] | None:
-    """Batches of each rank for an evaluation loader split by ShardSampler; None for any other loader."""
-    if not isinstance(getattr(loader, "sampler", None), ShardSampler) or loader.batch_size is None:
-        return None
-    count = (lambda n: n // loader.batch_size) if loader.drop_last else (lambda n: -(-n // loader.batch_size))
-    return [count(n) for n in loader.sampler.sizes()]
+    """Batches of each rank for an evaluation loader split by ShardBatchSampler; None for any other loader."""
+    batches = getattr(loader, "batch_sampler", None)
+    return batches.batches_per_rank() if isinstance(batches, ShardBatchSampler) else None
 
 
 def set_epoch(loader: Any, epoch: int) -> None:

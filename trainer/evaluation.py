@@ -1,23 +1,25 @@
-"""Evaluation and prediction: every rank runs the same number of steps, each sample is seen once (uneven.py)."""
+"""Evaluation and prediction: each sample reaches the user's step once, on every rank alike (evaluation_steps.py)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .data import limit_batches
+from .evaluation_steps import run_steps
+from .module import TrainModule
 from .state import move_to_device
-from .uneven import evaluation_batches
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-def to_step(trainer: Trainer, batch: Any, real: bool = True) -> Any:
+def to_step(trainer: Trainer, batch: Any) -> Any:
     """The batch on the device in the precision's dtype; its size weighs the step's logged values."""
     batch = trainer.precision.convert_input(move_to_device(batch, trainer.strategy.root_device))
-    trainer.metrics.start_step(batch, real)
+    trainer.metrics.start_step(batch)
     return batch
 
 
@@ -27,8 +29,21 @@ def log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
             logger.log_metrics({**metrics, "epoch": trainer.current_epoch}, step=trainer.global_step)
 
 
+def unless_undefined(trainer: Trainer, module: Any, val_loader: Any) -> Any:
+    """fit's validation loader, or None when the module defines no validation_step: it trains without validation,
+    as in Lightning, said once on rank 0 (and `trainer.skipped_validation` says why, for the monitors)."""
+    if val_loader is None or type(module).validation_step is not TrainModule.validation_step:
+        return val_loader
+    trainer.skipped_validation = f"{type(module).__name__} defines no validation_step"
+    if trainer.is_global_zero:
+        warnings.warn(f"validation is skipped: {trainer.skipped_validation}, so the validation DataLoader given "
+                      "(by fit's arguments, a datamodule or the module) is not used", stacklevel=3)
+    return None
+
+
 def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None, log: bool = True) -> dict[str, float]:
-    """One pass of validation or test; returns the epoch metrics."""
+    """One pass of validation or test; returns the epoch metrics. The epoch-end hooks run before the epoch's
+    metrics are closed, so what they log belongs to this epoch (as Lightning orders them)."""
     t, module, strategy = trainer, trainer.module, trainer.strategy
     name = "validation" if stage == "validate" else "test"
     if limit is None:
@@ -40,37 +55,41 @@ def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None
     t.metrics.stage = stage
     t._call(f"on_{name}_start")
     t._call(f"on_{name}_epoch_start")
+
+    def step(batch: Any, batch_idx: int) -> None:
+        batch = to_step(t, batch)
+        with t.precision.autocast(), strategy.forward_context():
+            output = step_fn(batch, batch_idx)
+        t._call(f"on_{name}_batch_end", output, batch, batch_idx)
+
     with torch.no_grad():
-        for batch_idx, (batch, real) in enumerate(evaluation_batches(loader, limit, strategy)):
-            batch = to_step(t, batch, real)
-            with t.precision.autocast(), strategy.forward_context():
-                output = step_fn(batch, batch_idx)
-            if real:  # a filler step of a rank that has run out is not reported
-                t._call(f"on_{name}_batch_end", output, batch, batch_idx)
-    t.metrics.start_step(None)  # what the epoch-end hooks log counts
-    metrics = t.metrics.end_epoch()
+        some_rank_idle = run_steps(t, loader, limit, stage, step)
+    t.metrics.start_epoch_end()
+    t._call(f"on_{name}_epoch_end")
+    metrics = t.metrics.end_epoch(module, some_rank_idle)
     if log:
         log_metrics(t, metrics)
-    t._call(f"on_{name}_epoch_end")
     t._call(f"on_{name}_end")
     return metrics
 
 
 def predict(trainer: Trainer, loader: Any) -> list[Any] | None:
-    """Each batch's prediction, in dataset order on rank 0 (loaders split by ShardSampler); None elsewhere."""
+    """Each batch's prediction, in dataset order on rank 0 (loaders split by ShardBatchSampler); None elsewhere."""
     t, module, strategy = trainer, trainer.module, trainer.strategy
     module.eval()
     t.metrics.stage = "predict"
     t._call("on_predict_start")
     predictions = []
+
+    def step(batch: Any, batch_idx: int) -> None:
+        batch = to_step(t, batch)
+        with t.precision.autocast(), strategy.forward_context():
+            prediction = module.predict_step(batch, batch_idx)
+        predictions.append(prediction)
+        t._call("on_predict_batch_end", prediction, batch, batch_idx)
+
     with torch.no_grad():
-        for batch_idx, (batch, real) in enumerate(evaluation_batches(loader, 2**62, strategy)):
-            batch = to_step(t, batch, real)
-            with t.precision.autocast(), strategy.forward_context():
-                prediction = module.predict_step(batch, batch_idx)
-            if real:
-                predictions.append(prediction)
-                t._call("on_predict_batch_end", prediction, batch, batch_idx)
+        run_steps(t, loader, 2**62, "predict", step)
     t._call("on_predict_end")
     if not strategy.distributed:
         return predictions

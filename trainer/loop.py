@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
+
 from . import preemption
 from .agreement import Agreement, agree
 from .data import limit_batches, loader_length, set_epoch
@@ -34,6 +36,8 @@ from .uneven import Lookahead, report_unused
 
 if TYPE_CHECKING:
     from .trainer import Trainer
+
+READ_EPOCH_METRICS = (ModelCheckpoint, EarlyStopping, ProgressBar)  # their on_train_epoch_end comes after the metrics
 
 
 class StepRunner:
@@ -132,6 +136,7 @@ class StepRunner:
             with self._naming_the_step(batch_idx):
                 self.train_batch(batch, batch_idx)
                 if self._validation_due(batch_idx):
+                    self._close_training_steps(batch_idx)
                     with t.timer.phase("validation"):
                         self.validate()
             if self._stop_requested:
@@ -189,11 +194,22 @@ class StepRunner:
                 f"batch {batch_idx}: {error}"
             ) from error
 
+    def _close_training_steps(self, batch_idx: int) -> None:
+        """Before the validation that follows the epoch's last training batch: the epoch values of its training
+        steps are complete, so they are published for what reads them after validation (ModelCheckpoint,
+        EarlyStopping); what on_train_epoch_end logs is published at the epoch's end, at the same step."""
+        if batch_idx + 1 == self.trainer.num_training_batches or self.agreed.last_batch:
+            self._log(self.trainer.metrics.end_epoch())
+
     def _end_train_epoch(self) -> None:
+        """The module's and most callbacks' on_train_epoch_end first, so that what they log belongs to this epoch;
+        then the epoch's metrics; then the callbacks that read them (as Lightning orders them)."""
         t = self.trainer
-        epoch_metrics = t.metrics.end_epoch()
-        self._log(epoch_metrics)
-        t._call("on_train_epoch_end")
+        readers = [cb for cb in t.callbacks if isinstance(cb, READ_EPOCH_METRICS)]
+        t.metrics.start_epoch_end()
+        t._call("on_train_epoch_end", skip=readers)
+        self._log(t.metrics.end_epoch())
+        t._call_callbacks(readers, "on_train_epoch_end")
         self._log_memory()
         if self.module.automatic_optimization:  # under manual optimization the user steps the schedulers
             step_schedulers(t, "epoch", t.current_epoch + 1)

@@ -1,9 +1,11 @@
-"""What `TrainModule.log` records: step values for the logger, epoch averages, and the latest of each.
+"""What `TrainModule.log` records: step values for the logger, epoch averages, metric objects, and the latest of each.
 
 An epoch value is the mean over its steps weighted by each step's batch size, so that it equals one process's mean
 over the samples when batches (or ranks) hold different numbers of them; with `sync_dist` the weighted sums of all
 ranks are added. The batch size is that of the first tensor in the batch (as Lightning infers it), or the
-`batch_size` given to `self.log`.
+`batch_size` given to `self.log`. A metric object (torchmetrics) is logged as Lightning logs it (metric_objects.py).
+Each stage keeps its own epoch values, so a validation inside a training epoch does not close the training epoch's.
+What the epoch-end hooks log (after `start_epoch_end`) is per epoch by default and belongs to that epoch.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+from .metric_objects import EpochMetric, agree_on_entries, compute_and_reset, is_metric, step_value
 
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, "sum" | "max" | "min") over the ranks
 REDUCE_FX = ("mean", "sum", "max", "min")
@@ -65,19 +69,25 @@ class _EpochValue:
 
 @dataclass
 class MetricCollector:
-    """Collects logged values for one stage at a time ("train", "validate", "test", "predict")."""
+    """Collects logged values by stage ("train", "validate", "test", "predict"); `stage` is the running one."""
 
     reduce: Reduce
+    gather: Callable[[Any], list[Any]] = lambda obj: [obj]  # every rank's object (all_gather_object)
     stage: str = "train"
     step_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     callback_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     progress_bar_metrics: dict[str, float] = field(default_factory=dict)
     batch_size: int = 1  # of the running step; set by the loop from its batch
-    discarding: bool = False  # the running step is a filler one of a rank that has run out: its logs weigh nothing
-    _epoch: dict[str, _EpochValue] = field(default_factory=dict)
+    at_epoch_end: bool = False  # in an epoch-end hook: per epoch by default, no step to log at
+    _epoch: dict[str, dict[str, _EpochValue]] = field(default_factory=dict)  # by stage, by name
+    _metrics: dict[str, dict[str, EpochMetric]] = field(default_factory=dict)  # metric objects, by stage, by name
 
-    def start_step(self, batch: Any, real: bool = True) -> None:
-        self.batch_size, self.discarding = infer_batch_size(batch), not real
+    def start_step(self, batch: Any) -> None:
+        self.batch_size, self.at_epoch_end = infer_batch_size(batch), False
+
+    def start_epoch_end(self) -> None:
+        """What the epoch-end hooks log next is per epoch (by default) and belongs to the epoch ending."""
+        self.batch_size, self.at_epoch_end = 1, True
 
     def log(
         self,
@@ -98,27 +108,41 @@ class MetricCollector:
             raise ValueError(f"self.log({name!r}): sync_dist=True and rank_zero_only=True contradict each other: a "
                              "value logged on rank 0 only cannot be synchronised across ranks")
         fx = reduce_fx_name(name, reduce_fx)
+        on_step, on_epoch = self._when(name, on_step, on_epoch)
+        if is_metric(value):  # synced by itself in compute(): sync_dist adds nothing
+            if on_step:
+                self._log_step(name, step_value(name, value), prog_bar, logger, on_epoch)
+            self._metrics.setdefault(self.stage, {})[name] = EpochMetric(value, prog_bar, logger, on_epoch)
+            return
         value = self._as_scalar(name, value)
-        weight = 0.0 if self.discarding else float(self._check_batch_size(name, batch_size))
-        training = self.stage == "train"
-        on_step = training if on_step is None else on_step
-        on_epoch = (not training) if on_epoch is None else on_epoch
-        if not on_step and not on_epoch:
-            raise ValueError(
-                f"self.log({name!r}): on_step and on_epoch are both False, so nothing would be logged"
-            )
+        weight = float(self._check_batch_size(name, batch_size))
         if on_step:
-            step_value = self._across_ranks(value, weight, fx) if sync_dist else value
-            step_name = f"{name}_step" if on_epoch else name
-            if not self.discarding:
-                if logger:
-                    self.step_metrics[step_name] = step_value
-                self._publish(step_name, step_value, prog_bar)
+            self._log_step(name, self._across_ranks(value, weight, fx) if sync_dist else value, prog_bar, logger,
+                           on_epoch)
         if on_epoch:
-            entry = self._epoch.setdefault(name, _EpochValue(fx, torch.tensor(_START[fx], dtype=torch.float64)))
+            values = self._epoch.setdefault(self.stage, {})
+            entry = values.setdefault(name, _EpochValue(fx, torch.tensor(_START[fx], dtype=torch.float64)))
             entry.add(value, weight)
             entry.sync_dist, entry.prog_bar = entry.sync_dist or sync_dist, entry.prog_bar or prog_bar
             entry.to_logger = entry.to_logger and logger
+
+    def _when(self, name: str, on_step: bool | None, on_epoch: bool | None) -> tuple[bool, bool]:
+        """on_step and on_epoch, with Lightning's defaults: per step in training steps, per epoch elsewhere."""
+        per_step = self.stage == "train" and not self.at_epoch_end
+        on_step = per_step if on_step is None else on_step
+        on_epoch = (not per_step) if on_epoch is None else on_epoch
+        if on_step and self.at_epoch_end:
+            raise ValueError(f"self.log({name!r}, on_step=True) in an epoch-end hook: there is no step there; log "
+                             "it per epoch (on_epoch=True, the default there)")
+        if not on_step and not on_epoch:
+            raise ValueError(f"self.log({name!r}): on_step and on_epoch are both False, so nothing would be logged")
+        return on_step, on_epoch
+
+    def _log_step(self, name: str, value: torch.Tensor, prog_bar: bool, logger: bool, on_epoch: bool) -> None:
+        step_name = f"{name}_step" if on_epoch else name
+        if logger:
+            self.step_metrics[step_name] = value
+        self._publish(step_name, value, prog_bar)
 
     def _check_batch_size(self, name: str, batch_size: Any) -> int:
         if batch_size is None:
@@ -128,13 +152,11 @@ class MetricCollector:
         return batch_size
 
     def _across_ranks(self, value: torch.Tensor, weight: float, fx: str) -> torch.Tensor:
-        """This step's value reduced over the ranks: the mean weighted by each rank's batch size (a discarded
-        step's value, maybe NaN, counts for nothing), or the sum, max or min. Stays on the device: no sync."""
+        """This step's value reduced over the ranks: the mean weighted by each rank's batch size, or the sum, max
+        or min. Stays on the device: no sync."""
         if fx != "mean":
-            neutral = torch.full_like(value, _START[fx])
-            return self.reduce(value if weight else neutral, fx)
-        weighted = value * weight if weight else torch.zeros_like(value)
-        total, weight_sum = self.reduce(torch.stack([weighted, torch.full_like(value, weight)]), "sum")
+            return self.reduce(value, fx)
+        total, weight_sum = self.reduce(torch.stack([value * weight, torch.full_like(value, weight)]), "sum")
         return total / weight_sum
 
     @staticmethod
@@ -166,13 +188,34 @@ class MetricCollector:
         self.step_metrics.clear()
         return out
 
-    def end_epoch(self) -> dict[str, float]:
-        """Average each epoch value (over ranks too with sync_dist), publish them, and start a new epoch.
-        Every rank must call this: the synced values of all names travel in one all-reduce, in sorted order."""
-        names = sorted(self._epoch)
-        sums = {n: (self._epoch[n].total, self._epoch[n].weight) for n in names}
+    def end_epoch(self, module: Any = None, some_rank_idle: bool = False) -> dict[str, float]:
+        """Close the running stage's epoch: each metric object's compute() (then reset()), each epoch value averaged
+        (over ranks too with sync_dist); publish them and return what goes to the logger. Every rank must call
+        this; when `some_rank_idle` (a rank sat out evaluation steps, so may have logged nothing) the ranks first
+        agree on what they logged (`module`: where such a rank finds the metric objects)."""
+        values = self._epoch.pop(self.stage, {})
+        metrics = self._metrics.pop(self.stage, {})
+        if some_rank_idle:
+            agree_on_entries(values, metrics, module, self.gather, _synced_placeholder)
+        results = compute_and_reset(metrics)
+        results.update(self._reduced(values))
+        out = {}
+        for name in sorted(results):
+            value, prog_bar, to_logger = results[name]
+            published = f"{name}_epoch" if f"{name}_step" in self.callback_metrics else name
+            self._publish(published, value, prog_bar)
+            if to_logger:
+                out[published] = float(value)
+        self.at_epoch_end = False
+        return out
+
+    def _reduced(self, values: dict[str, _EpochValue]) -> dict[str, tuple[torch.Tensor, bool, bool]]:
+        """Each epoch value, over the ranks too where synced: the synced values of all names travel in one
+        all-reduce per kind of reduction, in sorted order (the same on every rank)."""
+        names = sorted(values)
+        sums = {n: (values[n].total, values[n].weight) for n in names}
         for op in ("sum", "max", "min"):  # one all-reduce per kind of reduction in use, in a fixed order
-            synced = [n for n in names if self._epoch[n].sync_dist and _op(self._epoch[n].reduce_fx) == op]
+            synced = [n for n in names if values[n].sync_dist and _op(values[n].reduce_fx) == op]
             if not synced:
                 continue
             totals = torch.stack([sums[n][0] for n in synced])
@@ -183,22 +226,19 @@ class MetricCollector:
             else:
                 totals_r, weights_r = self.reduce(totals, op).tolist(), self.reduce(weights, "sum").tolist()
             sums.update({n: (totals_r[i], weights_r[i]) for i, n in enumerate(synced)})
-        out = {}
-        for name in names:
-            entry = self._epoch[name]
-            value = torch.tensor(entry.result(*(float(x) for x in sums[name])))
-            published = f"{name}_epoch" if f"{name}_step" in self.callback_metrics else name
-            self._publish(published, value, entry.prog_bar)
-            if entry.to_logger:
-                out[published] = float(value)
-        self._epoch.clear()
-        return out
+        return {n: (torch.tensor(values[n].result(*(float(x) for x in sums[n]))), values[n].prog_bar,
+                    values[n].to_logger) for n in names}
 
     def forget_published(self) -> None:
         """Drop what was published (after the sanity check, whose values are not the run's)."""
         self.callback_metrics.clear()
         self.progress_bar_metrics.clear()
         self.step_metrics.clear()
+
+
+def _synced_placeholder(reduce_fx: str, prog_bar: bool, to_logger: bool) -> _EpochValue:
+    """The entry of a synced value this rank did not log (it ran no step): it adds nothing to the reduction."""
+    return _EpochValue(reduce_fx, torch.tensor(_START[reduce_fx], dtype=torch.float64), 0.0, True, prog_bar, to_logger)
 
 
 def _op(reduce_fx: str) -> str:

@@ -10,6 +10,7 @@ from torch import nn
 
 from .datamodule import DataHooks
 from .hparams import AttributeDict, HyperparametersMixin
+from .metric_objects import collection_items, is_collection
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -87,9 +88,11 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         logger: bool = True,
         rank_zero_only: bool = False,
     ) -> None:
-        """Log a metric. In training it defaults to per step; in validation and test to per epoch: the mean over
-        the epoch's steps weighted by batch size (inferred from the batch, or `batch_size`). `sync_dist=True`
-        averages over the ranks too, so that the epoch value is one process's mean over the samples.
+        """Log a metric. In training steps it defaults to per step; in validation and test, and in epoch-end hooks,
+        to per epoch: the mean over the epoch's steps weighted by batch size (inferred from the batch, or
+        `batch_size`). `sync_dist=True` averages over the ranks too, so that the epoch value is one process's mean
+        over the samples. `value` may be a torchmetrics Metric: per step its value for the batch, per epoch its
+        compute() (synced by the metric itself), after which it is reset.
         `reduce_fx`: "mean", "sum", "max" or "min" (or torch's function) over the epoch (and ranks); `logger=False`:
         only in callback_metrics and the progress bar; `rank_zero_only=True`: logged from rank 0 alone (no sync)."""
         self.trainer.metrics.log(
@@ -97,8 +100,9 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
             batch_size=batch_size, reduce_fx=reduce_fx, logger=logger, rank_zero_only=rank_zero_only,
         )
 
-    def log_dict(self, metrics: dict[str, Any], **kwargs: Any) -> None:
-        for name, value in metrics.items():
+    def log_dict(self, metrics: Any, **kwargs: Any) -> None:
+        """`self.log` of each entry of a dict, or of each metric of a torchmetrics MetricCollection."""
+        for name, value in collection_items(metrics) if is_collection(metrics) else metrics.items():
             self.log(name, value, **kwargs)
 
     # ---- manual optimization (self.automatic_optimization = False) ----------------------------------

@@ -6,7 +6,7 @@ import datetime
 import inspect
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,6 +27,7 @@ from .checkpoint import Saver, find_last
 from .data import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
 from .divergence import enabled_by_env as divergence_by_env
+from .evaluation_steps import StepMemory
 from .instruments import during_fit
 from .loop import StepRunner
 from .metrics import MetricCollector
@@ -146,7 +147,10 @@ class Trainer:
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
-        self.metrics = MetricCollector(reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op))
+        self.metrics = MetricCollector(reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op),
+                                       gather=lambda obj: self.strategy.all_gather_object(obj))
+        self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation_steps.py)
+        self.skipped_validation: str | None = None  # why fit does not validate, when a loader was given
         self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
         self.module: TrainModule | None = None
         self.datamodule: DataModule | None = None
@@ -209,6 +213,7 @@ class Trainer:
         source = datamodule or module
         train_loader = self._loader(train_dataloaders, source.train_dataloader, "train_dataloaders", required=True)
         val_loader = self._loader(val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
+        val_loader = evaluation.unless_undefined(self, module, val_loader)
         self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
             module, self.strategy
         )
@@ -355,13 +360,17 @@ class Trainer:
             for logger in self.loggers:
                 logger.save()
 
-    def _call(self, hook: str, *args: Any, **kwargs: Any) -> None:
-        """Run a hook on every callback, then on the module if it defines one of that name."""
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, self.module, *args, **kwargs)
+    def _call(self, hook: str, *args: Any, skip: Sequence[Callback] = (), **kwargs: Any) -> None:
+        """Run a hook on every callback (except those in `skip`), then on the module if it defines one of that
+        name."""
+        self._call_callbacks([cb for cb in self.callbacks if cb not in skip], hook, *args, **kwargs)
         module_hook = getattr(self.module, hook, None)
         if module_hook is not None and hook.startswith("on_") and hook not in ("on_exception",):
             module_hook(*args, **kwargs)
+
+    def _call_callbacks(self, callbacks: list[Callback], hook: str, *args: Any, **kwargs: Any) -> None:
+        for cb in callbacks:
+            getattr(cb, hook)(self, self.module, *args, **kwargs)
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, full: bool = False, async_save: bool = False) -> None:

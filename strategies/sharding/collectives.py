@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,13 +23,17 @@ Work = Any  # torch.distributed.Work, or None for a finished call
 
 
 class CommStats:
-    """Elements sent per collective kind since the last reset."""
+    """Elements sent per collective kind since the last reset; `observer`, when set, hears of each collective
+    before it is issued (the engine's `observing`)."""
 
     def __init__(self) -> None:
         self.elements: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+        self.observer: Callable[[str], None] | None = None
 
     def add(self, kind: str, elements: int) -> None:
+        if self.observer is not None:
+            self.observer(kind)
         self.elements[kind] += elements
         self.calls[kind] += 1
 

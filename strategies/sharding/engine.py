@@ -194,6 +194,11 @@ class ShardingEngine:
             handle.remove()
         self._hooks.clear()
 
+    @property
+    def forward_gathers(self) -> bool:
+        """Whether a forward pass all-gathers parameters (fsdp over more than one rank)."""
+        return self.spec.shard_parameters and self.world_size > 1
+
     def forward_scope(self) -> AbstractContextManager:
         """Run a step method of the whole model (training_step, ...) as one forward pass (fsdp: with the root
         unit gathered, for parameters the method uses directly)."""

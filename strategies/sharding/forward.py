@@ -183,6 +183,29 @@ class ForwardHooks:
             if unit.state is ParamState.SHARDED:
                 unit.unshard(async_op=True)
 
+    # ---- a rank without a batch takes part in the others' forward (strategies/step_trace.py) -------
+    @contextmanager
+    def observing(self, unit_gather: Callable[[int, str], None], collective: Callable[[str], None]) -> Iterator[None]:
+        """Inside the block, `unit_gather(unit index, unit name)` hears of each unit's all-gather before it is
+        issued, and `collective(kind)` of every collective of the engine (those all-gathers included)."""
+        for index, unit in enumerate(self.engine.units):
+            unit.before_gather = lambda u, i=index: unit_gather(i, u.name)
+        self.engine.stats.observer = collective
+        try:
+            yield
+        finally:
+            self.engine.stats.observer = None
+            for unit in self.engine.units:
+                unit.before_gather = None
+
+    def repeat_gather(self, index: int) -> None:
+        """All-gather unit `index`'s parameters and free them again: this rank's part in a forward pass that other
+        ranks run and this one does not (it has no batch); see strategies/step_trace.py."""
+        unit = self.engine.units[index]
+        unit.reshard()
+        unit.unshard()
+        unit.reshard()
+
     # ---- backward -----------------------------------------------------------------------------------
     def _pre_backward(self, unit: ShardUnit) -> None:
         self.engine.queue_finish_backward()

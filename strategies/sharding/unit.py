@@ -9,7 +9,7 @@ its parameters (see layout.py), which every parameter is a view of while unshard
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 
@@ -64,6 +64,7 @@ class ShardUnit:
         self.grads = stores[spec.shard_gradients](self) if any(self.trainable) else NoGradients()
         self.state = ParamState.UNSHARDED
         self._gather_works: list[Work] = []
+        self.before_gather: Callable[[ShardUnit], None] | None = None  # the engine's `observing`
         self.input_dtype: torch.dtype | None = None  # of the last forward's input (full-precision norm units)
         self.reset_backward_state()
         if spec.shard_parameters:
@@ -143,6 +144,8 @@ class ShardUnit:
             if not async_op:
                 self.wait_unshard()
             return
+        if self.before_gather is not None:
+            self.before_gather(self)
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
         for segment, lo, hi in self.layout.owned(self.rank):
             own = self.full_flat[lo:hi]  # gathered in place, as FSDP2 does: no separate input buffer
