@@ -264,6 +264,31 @@ class SmallLM(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+class TokenTensorLM(TrainModule):
+    """A language model whose training_step takes one token tensor and predicts each next token (no
+    example_input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TiedLM()
+
+    def training_step(self, tokens, batch_idx):
+        logits = self.lm(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("factory", ["SmallLM", "TokenTensorLM"])
+def test_a_token_train_module_is_planned_from_the_command_line(capsys, factory):
+    """README's promise: a token model (first parameter an Embedding) gets int64 tokens with a next-token loss; a
+    TrainModule's training_step gets them as it takes them, (inputs, targets) or one token tensor."""
+    plan_main([f"tests.test_plan:{factory}", "--world-size", "2", "--batch-size", "2", "--seq-len", "4", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ddp"]["activations"] > 0 and plan["fsdp"]["total"] < plan["ddp"]["total"]
+
+
 def body_auto_strategy() -> tuple[dict[str, int], list[tuple[int | None, str]]]:
     """The plan's totals at 2 ranks, and the strategy Trainer(strategy="auto") ends with for budgets around them
     (an error's message where none fits)."""

@@ -133,23 +133,29 @@ def first_parameter_module(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if any(True for _ in m.parameters(recurse=False))), None)
 
 
-def example_batch(model: nn.Module, batch_size: int, seq_len: int | None, sample: Any) -> tuple[Any, Any]:
-    """(batch, targets): the module's example_input, else a batch of `sample`'s shapes, else int64 tokens for a
-    token model (its first parameter an Embedding), whose targets are the tokens. Call under the fake mode."""
+def example_batches(model: nn.Module, batch_size: int, seq_len: int | None, sample: Any) -> list[tuple[Any, Any]]:
+    """(batch, targets) candidates, the first that runs is used: the module's example_input, else a batch of
+    `sample`'s shapes, else for a token model (its first parameter an Embedding) int64 tokens, whose targets are
+    the tokens; a TrainModule's training_step gets them as (inputs, targets), as one tensor, or as a dict of
+    HuggingFace's names, whichever it takes. Call under the fake mode."""
     if callable(getattr(model, "example_input", None)):
-        return model.example_input(batch_size, seq_len), None
+        return [(model.example_input(batch_size, seq_len), None)]
     if sample is not None:
-        return tree_map(lambda v: _batched(v, batch_size), sample), None
-    if isinstance(first_parameter_module(model), nn.Embedding) and not callable(getattr(model, "training_step", None)):
+        return [(tree_map(lambda v: _batched(v, batch_size), sample), None)]
+    if isinstance(first_parameter_module(model), nn.Embedding):
         if seq_len is None:
             raise ValueError("seq_len: give the sequence length of the planned batch (--seq-len)")
         tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
-        return tokens, tokens
-    raise ValueError(
-        f"{type(model).__name__}: the plan cannot make a batch for it; define example_input(batch_size, seq_len) "
-        "on the module (it returns the forward's input, or training_step's batch for a TrainModule)"
-        + (", or pass train_dataloaders" if callable(getattr(model, "training_step", None)) else "")
-    )
+        if not callable(getattr(model, "training_step", None)):
+            return [(tokens, tokens)]
+        return [((tokens, tokens), None), (tokens, None), ({"input_ids": tokens, "labels": tokens}, None)]
+    raise ValueError(_no_batch(model))
+
+
+def _no_batch(model: nn.Module) -> str:
+    return (f"{type(model).__name__}: the plan cannot make a batch for it; define example_input(batch_size, seq_len) "
+            "on the module (it returns the forward's input, or training_step's batch for a TrainModule)"
+            + (", or pass train_dataloaders" if callable(getattr(model, "training_step", None)) else ""))
 
 
 def _batched(value: Any, batch_size: int) -> Any:
@@ -188,8 +194,27 @@ def activation_bytes(
     fake tensors: pass a copy). `checkpointed` is an activation-checkpointing policy (module, name) -> bool."""
     mode = FakeTensorMode()
     excluded = to_fake(model, mode, param_dtype)
-    saved = SavedBytes(excluded)
     model.train()
+    with mode:
+        candidates = example_batches(model, batch_size, seq_len, sample)
+    failures = []
+    for batch, targets in candidates:
+        try:
+            return _saved_bytes(model, mode, excluded, batch, targets, precision, param_dtype, checkpointed)
+        except (TypeError, ValueError, IndexError, KeyError, RuntimeError) as error:
+            if len(candidates) == 1:
+                raise
+            failures.append(f"{_shape_of(batch)}: {type(error).__name__}: {error}")
+    raise ValueError(_no_batch(model) + "; its training_step took none of " + "; ".join(failures))
+
+
+def _shape_of(batch: Any) -> str:
+    return str(tree_map(lambda v: f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else v, batch))
+
+
+def _saved_bytes(model: nn.Module, mode: FakeTensorMode, excluded: set[int], batch: Any, targets: Any,
+                 precision: str, param_dtype: torch.dtype | None, checkpointed: Any) -> int:
+    saved = SavedBytes(excluded)
     with ExitStack() as stack:
         handles = _norms_in_full_precision(model) if param_dtype is not None else []
         for name, module in model.named_modules():
@@ -198,7 +223,6 @@ def activation_bytes(
                 handles.append(module.register_forward_hook(saved.leave_checkpointed))
         stack.callback(lambda: [h.remove() for h in handles])
         stack.enter_context(mode)
-        batch, targets = example_batch(model, batch_size, seq_len, sample)
         autocast = AUTOCAST[precision]
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             with torch.autocast("cpu", dtype=autocast) if autocast else nullcontext():
