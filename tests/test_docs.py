@@ -21,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,8 +54,8 @@ def parse(path: Path) -> Page:
     while i < len(lines):
         line = lines[i]
         if line.strip() == "<!-- setup":
-            end = lines.index("-->", i)
-            page.setup += "\n".join(lines[i + 1 : end]) + "\n"
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "-->")
+            page.setup += textwrap.dedent("\n".join(lines[i + 1 : end])) + "\n"
             i = end + 1
             continue
         fence = FENCE.match(line.strip())
