@@ -37,7 +37,7 @@ class FSDPStrategy(Strategy):
         activation_checkpointing: which modules recompute their activations in backward instead of storing them
             (torch's non-reentrant checkpoint): the same forms as `auto_wrap_policy`; `None` for none.
         reshard_after_forward: free each unit's gathered parameters after its forward (gathered again for
-            backward); `False` keeps them until backward, trading memory for one all-gather per unit.
+            backward); `False` keeps them until backward: one all-gather per unit less, for more memory.
         mixed_precision: a `MixedPrecision`: units are gathered and compute in its `param_dtype` and gradients
             are reduced in its `reduce_dtype`; the master shards and optimizer state stay in the parameters' own
             dtype. `None` for no mixed precision.
