@@ -37,9 +37,10 @@ def leading_dimension(batch: Any) -> int:
 class ThroughputMonitor(Callback):
     """Logs samples, items (e.g. tokens) and FLOPs per second during training (Lightning's name).
 
-    The values are logged to the loggers every `log_every_n_steps` optimizer steps, per rank (`device/...`) and
-    for all ranks together. The FLOPs of one training batch (forward and backward, this rank) are counted once, on
-    the first batch, with `torch.utils.flop_counter.FlopCounterMode`; every later batch is taken to cost the same.
+    The values are logged to the loggers every `log_every_n_steps` optimizer steps: this rank's (`device/...`)
+    and, for all ranks, this rank's times the world size. The FLOPs of one training batch (forward and backward,
+    this rank) are counted once, on the first batch, with `torch.utils.flop_counter.FlopCounterMode`; every later
+    batch is taken to cost the same.
 
     Args:
         batch_size_fn: `batch -> int`, the samples in a batch; `None` for the leading dimension of the batch's
