@@ -45,10 +45,18 @@ class Callback:
 
     # -- whole runs -----------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        """Called at the start of fit/validate/test/predict on every rank, after the strategy is set up."""
+        """Called at the start of fit/validate/test/predict on every rank, after the strategy is set up.
+
+        Args:
+            stage: `"fit"`, `"validate"`, `"test"` or `"predict"`.
+        """
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        """Called at the end of fit/validate/test/predict on every rank."""
+        """Called at the end of fit/validate/test/predict on every rank.
+
+        Args:
+            stage: `"fit"`, `"validate"`, `"test"` or `"predict"`.
+        """
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Called at the start of `fit`, after the strategy is set up."""
@@ -79,25 +87,48 @@ class Callback:
         """Called at the end of each training epoch."""
 
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
-        """Called before `training_step` with its `batch` and `batch_idx`."""
+        """Called before `training_step` with its `batch` and `batch_idx`.
+
+        Args:
+            batch: the batch.
+            batch_idx: the batch's index in the epoch.
+        """
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Called after every micro-batch; on the last one of a step, after the optimizer step and after
-        `global_step` was incremented."""
+        `global_step` was incremented.
+
+        Args:
+            outputs: what the step returned.
+            batch: the batch.
+            batch_idx: the batch's index in the epoch.
+        """
 
     def on_before_backward(self, trainer: Trainer, module: TrainModule, loss: torch.Tensor) -> None:
-        """Called before the backward pass with the loss (already scaled by the precision, if it scales)."""
+        """Called before the backward pass with the loss (already scaled by the precision, if it scales).
+
+        Args:
+            loss: the loss tensor.
+        """
 
     def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
         """After backward, before clipping; see README for what `.grad` holds here under each strategy."""
 
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Optimizer) -> None:
-        """Before clipping and the optimizer step (as Lightning)."""
+        """Before clipping and the optimizer step (as Lightning).
+
+        Args:
+            optimizer: the optimizer about to step.
+        """
 
     def on_before_zero_grad(self, trainer: Trainer, module: TrainModule, optimizer: Optimizer) -> None:
-        """Called before `optimizer.zero_grad()`."""
+        """Called before `optimizer.zero_grad()`.
+
+        Args:
+            optimizer: the optimizer whose gradients are about to be zeroed.
+        """
 
     def on_sanity_check_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Called before the sanity-check validation batches that `fit` runs first."""
@@ -122,7 +153,14 @@ class Callback:
         self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        """Called after each validation batch with `validation_step`'s `outputs`."""
+        """Called after each validation batch with `validation_step`'s `outputs`.
+
+        Args:
+            outputs: what the step returned.
+            batch: the batch.
+            batch_idx: the batch's index in the epoch.
+            dataloader_idx: the loader's index (always 0: one loader per stage).
+        """
 
     # -- test -----------------------------------------------------------------------------------------------
     def on_test_start(self, trainer: Trainer, module: TrainModule) -> None:
@@ -141,7 +179,14 @@ class Callback:
         self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        """Called after each test batch with `test_step`'s `outputs`."""
+        """Called after each test batch with `test_step`'s `outputs`.
+
+        Args:
+            outputs: what the step returned.
+            batch: the batch.
+            batch_idx: the batch's index in the epoch.
+            dataloader_idx: the loader's index (always 0: one loader per stage).
+        """
 
     # -- predict --------------------------------------------------------------------------------------------
     def on_predict_start(self, trainer: Trainer, module: TrainModule) -> None:
@@ -154,7 +199,14 @@ class Callback:
         self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        """Called after each predict batch with `predict_step`'s `outputs`."""
+        """Called after each predict batch with `predict_step`'s `outputs`.
+
+        Args:
+            outputs: what the step returned.
+            batch: the batch.
+            batch_idx: the batch's index in the epoch.
+            dataloader_idx: the loader's index (always 0: one loader per stage).
+        """
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
@@ -179,16 +231,30 @@ class Callback:
         """
 
     def sharded_state(self, trainer: Trainer) -> dict[str, dict[str, Any]]:
-        """What this rank writes of state sharded like the weights: {key: {name: FlatPieces, or a tensor written
-        whole}}, stored as "<key>.<name>" beside "model.<name>" (keys other than model, optim*, trainer, rng and
-        meta). Called on every rank at every save; nothing is gathered."""
+        """What this rank writes of state sharded like the weights (an average of them, say).
+
+        Called on every rank at every save; nothing is gathered. Entries are stored as `"<key>.<name>"` beside
+        `"model.<name>"`.
+
+        Returns:
+            `{key: {name: FlatPieces, or a tensor written whole}}`; keys other than `model`, `optim*`, `trainer`,
+            `rng` and `meta`.
+        """
         return {}
 
     def sharded_state_targets(
         self, trainer: Trainer, saved: dict[str, dict[str, torch.Tensor]]
     ) -> dict[str, dict[str, Any]]:
-        """Where this rank reads its sharded state back from a checkpoint being loaded (FlatPieces are read
-        resharded: any strategy, any world size), keyed as `sharded_state` keys it. `saved` is what the checkpoint
-        holds besides the model and optimizers, {key: {name: meta tensor of the saved shape and dtype}}. Called on
-        every rank, before `load_state_dict` and `setup`; the targets are filled once every callback answered."""
+        """Where this rank reads its sharded state back from a checkpoint being loaded.
+
+        `FlatPieces` are read resharded (any strategy, any world size). Called on every rank, before
+        `load_state_dict` and `setup`; the targets are filled once every callback answered.
+
+        Args:
+            saved: what the checkpoint holds besides the model and optimizers: `{key: {name: meta tensor}}`,
+                with the saved shapes and dtypes.
+
+        Returns:
+            The targets, keyed as `sharded_state` keys them: `{key: {name: FlatPieces or tensor}}`.
+        """
         return {}
