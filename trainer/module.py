@@ -339,17 +339,40 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     def on_train_epoch_end(self) -> None:
         """Called at the end of each training epoch; values logged here are per epoch."""
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Called before `training_step` with its `batch` and `batch_idx`."""
+        """Called before `training_step`.
+
+        Args:
+            batch: the batch `training_step` gets.
+            batch_idx: its index in the epoch.
+        """
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Called after a training batch with `training_step`'s `outputs`, the `batch` and `batch_idx`."""
+        """Called after each training batch (micro-batch, under gradient accumulation).
+
+        Args:
+            outputs: what `training_step` returned.
+            batch: the batch.
+            batch_idx: its index in the epoch.
+        """
     def on_before_backward(self, loss: torch.Tensor) -> None:
-        """Called before the backward pass with the loss (already scaled by the precision, if it scales)."""
+        """Called before the backward pass.
+
+        Args:
+            loss: the loss, already scaled by the precision if it scales (`"16-mixed"`).
+        """
     def on_after_backward(self) -> None:
         """Called after the backward pass; `.grad` is set for every parameter that got a gradient."""
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called before `optimizer.step()`, before gradient clipping (as Lightning)."""
+        """Called before `optimizer.step()`, before gradient clipping (as Lightning).
+
+        Args:
+            optimizer: the optimizer about to step.
+        """
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called before `optimizer.zero_grad()`."""
+        """Called before `optimizer.zero_grad()`.
+
+        Args:
+            optimizer: the optimizer whose gradients are about to be zeroed.
+        """
     def on_validation_start(self) -> None:
         """Called when a validation run starts."""
     def on_validation_end(self) -> None:
