@@ -216,6 +216,7 @@ class Trainer:
         self.compile = compile
         self.max_memory_per_rank = planning.check_memory_budget(strategy, max_memory_per_rank)
         self.strategy = construction.resolve_strategy(strategy, devices * num_nodes)
+        """The `Strategy` in use (with `strategy="auto"`, the one the first fit chose)."""
         self._auto_strategy = strategy == "auto"  # the plan may decide again once fit knows the module
         self.num_nodes = num_nodes
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
@@ -228,9 +229,12 @@ class Trainer:
         self.sync_batchnorm, self.deterministic = sync_batchnorm, deterministic
         self.callbacks = construction.build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
                                                       enable_model_summary)
+        """The callbacks: those given, and those the Trainer added (progress bar, model summary, checkpointing)."""
         self.loggers = construction.build_loggers(logger, self.default_root_dir)
+        """The loggers (`logger` is the first of them)."""
         self.timeout = config.check_timeout(timeout)
         self.local_rank = construction.start_ranks(self, devices, self._device_ids, num_nodes, self.timeout)
+        """This process's rank on its node."""
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
@@ -240,11 +244,16 @@ class Trainer:
         self.skipped_validation: str | None = None  # why fit does not validate, when a loader was given
         self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
         self.module: TrainModule | None = None
+        """The `TrainModule` of the latest fit, validate, test or predict."""
         self.datamodule: DataModule | None = None
+        """The `DataModule` of the latest stage, or None."""
         self.optimizers: list[torch.optim.Optimizer] = []
+        """The optimizers `configure_optimizers` returned, set up by the strategy."""
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self.param_group_names: list[list[list[str]]] = []  # by optimizer, by group
         self.should_stop = False
+        """Set it to True to stop `fit`, as `EarlyStopping` does: after the current batch when set on every rank;
+        at the end of an epoch, any rank's True stops every rank."""
         self.ckpt_path: str | None = None
         self.checkpointer = Saver()  # writes checkpoints; at most one save in flight
         self.num_training_batches = 0
