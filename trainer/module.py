@@ -101,7 +101,7 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
             **overrides: constructor arguments that replace recorded hyperparameters.
 
         Returns:
-            The module, on the CPU.
+            The module, with the checkpoint's weights loaded.
         """
         from .checkpoint import load_full_state_dict, load_trainer_state
 
