@@ -317,11 +317,15 @@ class Strategy:
 
     def unsharded(self, module: nn.Module | None = None, write_back: bool = True) -> AbstractContextManager:
         """A context in which every parameter of `module` is there in full (master precision), to read and
-        change in place. Call it on every rank.
+        change in place; on exit each rank keeps its own slice of what was written, so write alike on every rank.
+        Collective under FSDP (call it on every rank); replicated parameters are always full.
 
         Args:
             module: the set-up module or one of its submodules; `None` for the whole model.
             write_back: keep the changes on exit.
+
+        Raises:
+            RuntimeError: if used during the backward pass.
         """
         return self.engine.unsharded(module, write_back)
 
@@ -347,10 +351,11 @@ class Strategy:
         return gradient_access.gradient_tensors(self.engine)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's averaged gradient in full, by name. Collective (call it on every rank).
+        """Every parameter's averaged gradient in full, by name. Collective (call it on every rank); it holds
+        them all at once, so it is for inspection, not for every step.
 
         Returns:
-            A dict of parameter name to gradient tensor.
+            A dict of parameter name to gradient tensor; parameters without a gradient are left out.
         """
         return gradient_access.full_gradients(self.engine)
 
