@@ -51,7 +51,10 @@ class Strategy:
         strategy = FSDPStrategy(auto_wrap_policy={Block})
         model = strategy.setup_module(model)
         optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters()))
-        loss = model(x).sum(); loss.backward(); optimizer.step(); optimizer.zero_grad()
+        for x in loader:
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
         strategy.save("ckpt", {"model": model, "optimizer": optimizer, "step": 7})
         ```
 
