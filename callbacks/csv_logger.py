@@ -21,6 +21,26 @@ from callbacks.loggers import Logger, _next_free_version, _to_scalar
 
 
 class CSVLogger(Logger):
+    """Writes the metrics to `metrics.csv` and the hyperparameters to `hparams.yaml` in
+    `save_dir/name/version_<n>/` (Lightning's name and arguments); rank 0 writes.
+
+    `metrics.csv` has a row per logged step and a column per metric (`step` first). Rows are kept in memory and
+    written every `flush_logs_every_n_steps` logging calls and when the run is saved or ends; a metric first seen
+    after rows were written rewrites the file with the new column, so `pandas.read_csv` reads the whole run.
+
+    Args:
+        save_dir: the root folder.
+        name: the experiment's folder under `save_dir`; `None` or `""` for none.
+        version: the run's folder: an int n gives `version_<n>`, a string is used as the folder name; `None` takes
+            the next free `version_<n>` when first asked for.
+        prefix: put before each metric's name, joined with `"-"`.
+        flush_logs_every_n_steps: how many `log_metrics` calls between writes of the file.
+
+    Raises:
+        ValueError: if `flush_logs_every_n_steps` is not a positive int; when a logged metric is not a number or a
+            scalar tensor.
+    """
+
     NAME_METRICS_FILE = "metrics.csv"
     NAME_HPARAMS_FILE = "hparams.yaml"
 
@@ -36,8 +56,11 @@ class CSVLogger(Logger):
         self._calls = 0
 
     name = property(lambda self: self._name)
+    """The experiment's name."""
     save_dir = property(lambda self: self._save_dir)
+    """The root folder."""
     root_dir = property(lambda self: os.path.join(self._save_dir, self._name))
+    """`save_dir/name`: the folder of the experiment's versions."""
 
     @property
     def version(self) -> int | str:
@@ -51,6 +74,7 @@ class CSVLogger(Logger):
 
     @property
     def log_dir(self) -> str:
+        """`save_dir/name/version_<n>` (or the string version): this run's folder."""
         version = self.version
         return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
 

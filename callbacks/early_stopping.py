@@ -16,15 +16,28 @@ log = logging.getLogger(__name__)
 
 
 class EarlyStopping(Callback):
-    """Sets `trainer.should_stop` once `monitor` has not improved by more than `min_delta` in `patience`
-    checks.
+    """Stops training once a monitored metric has not improved by more than `min_delta` in `patience` checks.
 
-    The check runs after each validation (or at the end of each training epoch with
-    `check_on_train_epoch_end=True`, or when the fit has no validation). Rank 0's value of the metric is broadcast
-    first, so every rank keeps the same state and takes the same decision even when the metric was logged without
-    `sync_dist`.
-    A missing metric is a `ValueError` with `strict=True`, otherwise the check is skipped.
-    A non-finite value stops training when `check_finite=True`.
+    It sets `trainer.should_stop`. The check runs after each validation (or at the end of each training epoch
+    with `check_on_train_epoch_end=True`, or when the fit has no validation). Rank 0's value of the metric is
+    broadcast first, so every rank keeps the same state and takes the same decision even when the metric was
+    logged without `sync_dist`.
+
+    Args:
+        monitor: the logged metric to watch.
+        min_delta: the smallest change that counts as an improvement (its absolute value is used).
+        patience: how many checks without improvement stop training (`0`: the first check without improvement).
+        verbose: log (at INFO level, on rank 0) why each check improved or stopped.
+        mode: `"min"` (lower is better) or `"max"`.
+        strict: a metric missing at a check raises `ValueError`; `False` logs a warning and skips the check.
+        check_finite: stop when the metric is NaN or infinite.
+        stopping_threshold: stop as soon as the metric is better than this value.
+        divergence_threshold: stop as soon as the metric is worse than this value.
+        check_on_train_epoch_end: check at the end of each training epoch instead of after validation.
+
+    Raises:
+        ValueError: if `mode` is not `"min"` or `"max"` or `patience < 0`; during `fit`, with `strict=True`, if
+            `monitor` is not logged when a check is due.
     """
 
     def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, verbose: bool = False,
@@ -92,7 +105,14 @@ class EarlyStopping(Callback):
         return current < reference if self.mode == "min" else current > reference
 
     def evaluate(self, current: float) -> tuple[bool, str | None]:
-        """Updates the state with one new value of the metric; returns (stop now?, why)."""
+        """Update the state with one new value of the metric.
+
+        Args:
+            current: the metric's value.
+
+        Returns:
+            Whether to stop now, and why (or None when there is nothing to say).
+        """
         name = self.monitor
         if self.check_finite and not math.isfinite(current):
             return True, f"{name} = {current} is not finite; stopping. Best score: {self.best_score:.6g}."

@@ -32,12 +32,27 @@ SWAP_CHUNK = 1 << 22  # elements swapped at a time: the transient memory of a sw
 
 
 class EMA(Callback):
-    """`decay`: weight of the old average at each update. `update_every_n_steps`, `update_starting_at_step`: update
-    after the optimizer steps (0-based) at or past the start whose index divides by n (Lightning's schedule).
-    `evaluate_with_ema`: validation, test and predict run with the average (training goes on with the trained
-    weights); `trainer.validate()` after fit too. `python -m trainer.checkpoint export CKPT OUT --ema` and
-    `load_full_state_dict(path, ema=True)` give the averaged model; `with ema.applied(trainer):` puts it in the
-    model for a while (every rank)."""
+    """An exponential moving average of the weights, kept on each rank's own shard and never gathered
+    (Lightning's `EMAWeightAveraging`, for sharded training).
+
+    After an optimizer step the average moves towards the weights, `avg += (1 - decay) * (w - avg)`, in the
+    master's precision; the first update copies the weights. Frozen parameters are left out. Checkpoints hold the
+    average as `"ema.<name>"`, written by every rank and read back resharded under any strategy and world size.
+    `python -m trainer.checkpoint export CKPT OUT --ema` and `load_full_state_dict(path, ema=True)` give the
+    averaged model; `with ema.applied(trainer):` puts it in the model for a while.
+
+    Args:
+        decay: the weight of the old average at each update, in [0, 1].
+        update_every_n_steps: update after the optimizer steps whose (0-based) index divides by n.
+        update_starting_at_step: update only from this optimizer step (0-based) on; `None` from the first.
+        evaluate_with_ema: validation, test and predict run with the average (training goes on with the trained
+            weights); also `trainer.validate()` after fit.
+
+    Raises:
+        TypeError: if `decay` is not a number or `evaluate_with_ema` not a bool.
+        ValueError: if `decay` is outside [0, 1], `update_every_n_steps` is not an int >= 1, or
+            `update_starting_at_step` is not None or an int >= 0.
+    """
 
     def __init__(self, decay: float = 0.999, update_every_n_steps: int = 1,
                  update_starting_at_step: int | None = None, evaluate_with_ema: bool = True) -> None:
@@ -64,7 +79,14 @@ class EMA(Callback):
         self._warned = False
 
     def should_update(self, step_idx: int) -> bool:
-        """Whether to update after optimizer step `step_idx` (0-based); override for another schedule."""
+        """Whether to update after optimizer step `step_idx`; override it for another schedule.
+
+        Args:
+            step_idx: the optimizer step's index, 0-based.
+
+        Returns:
+            Whether to update the average.
+        """
         start = self.update_starting_at_step
         return (start is None or step_idx >= start) and step_idx % self.update_every_n_steps == 0
 
@@ -105,7 +127,16 @@ class EMA(Callback):
 
     @contextmanager
     def applied(self, trainer: Trainer) -> Iterator[None]:
-        """The model holds the average inside the block, the trained weights again after. Every rank."""
+        """A context in which the model holds the average; the trained weights come back after it. Call it on
+        every rank.
+
+        Args:
+            trainer: the Trainer this callback belongs to.
+
+        Raises:
+            RuntimeError: if the average holds nothing yet (no update since fit started, and no checkpoint with
+                one was loaded).
+        """
         if self.updates == 0:
             raise RuntimeError("EMA.applied: the average holds nothing yet (no update since fit started, and no "
                                "checkpoint with one was loaded)")

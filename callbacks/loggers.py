@@ -18,20 +18,29 @@ import torch
 
 
 class Logger:
-    """What the Trainer and callbacks need from an experiment logger. Writes happen on rank 0 only."""
+    """The base of experiment loggers: what the Trainer and callbacks need from one. Writes happen on rank 0 only.
+
+    Subclass it to write to another backend; every method is a no-op here. The Trainer sets `logger.rank` to the
+    global rank before first use and makes every rank agree on `version` (rank 0's). Pass loggers to
+    `Trainer(logger=...)`, one or a list (each gets every write).
+    """
 
     rank: int = 0
+    """The global rank of this process; only rank 0 writes."""
 
     @property
     def name(self) -> str:
+        """The experiment's name."""
         return ""
 
     @property
     def version(self) -> int | str | None:
+        """The run's version within the experiment."""
         return None
 
     @property
     def save_dir(self) -> str | None:
+        """The root folder of the logger's files."""
         return None
 
     @property
@@ -40,20 +49,38 @@ class Logger:
         return None
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        pass
+        """Write metric values.
+
+        Args:
+            metrics: numbers or scalar tensors, by name.
+            step: the step they belong to (the Trainer passes `global_step`).
+        """
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace) -> None:
-        pass
+        """Write the hyperparameters (`save_hyperparameters`).
+
+        Args:
+            params: the hyperparameters, by name.
+        """
 
     def save(self) -> None:
-        pass
+        """Flush what was written (called at the end of each stage)."""
 
     def finalize(self, status: str) -> None:
-        """Called at the end of fit/validate/test with "success", "failed" or "interrupted"."""
+        """Close the run; the default calls `save`.
+
+        Args:
+            status: `"success"`, `"failed"` or `"interrupted"`.
+        """
         self.save()
 
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        """A ModelCheckpoint's save is complete (rank 0; maybe on a background thread for an async save)."""
+        """Called when a `ModelCheckpoint`'s save is complete (on rank 0; on a background thread for an async
+        save).
+
+        Args:
+            checkpoint_callback: the `ModelCheckpoint`.
+        """
 
 
 class _NoOpWriter:
@@ -66,8 +93,18 @@ class _NoOpWriter:
 class TensorBoardLogger(Logger):
     """Writes TensorBoard event files to `save_dir/name/version_<n>/` with `torch.utils.tensorboard`.
 
-    `version=None` takes the next free `version_<n>` in `save_dir/name` when first asked for; a string version
-    is used as the directory name. The SummaryWriter is created on rank 0 at the first write.
+    `Trainer(logger=True)` (the default) makes one with `save_dir=default_root_dir`. The `SummaryWriter` is created
+    on rank 0 at the first write.
+
+    Args:
+        save_dir: the root folder.
+        name: the experiment's folder under `save_dir`; `None` or `""` for none.
+        version: the run's folder: an int n gives `version_<n>`, a string is used as the folder name; `None` takes
+            the next free `version_<n>` when first asked for.
+        **writer_kwargs: keyword arguments for `torch.utils.tensorboard.SummaryWriter`.
+
+    Raises:
+        ValueError: when a logged metric is not a number or a scalar tensor.
     """
 
     def __init__(self, save_dir: str | os.PathLike = "runs", name: str | None = "default",
@@ -88,6 +125,7 @@ class TensorBoardLogger(Logger):
 
     @property
     def root_dir(self) -> str:
+        """`save_dir/name`: the folder of the experiment's versions."""
         return os.path.join(self._save_dir, self._name)
 
     @property
@@ -104,6 +142,7 @@ class TensorBoardLogger(Logger):
 
     @property
     def log_dir(self) -> str:
+        """`save_dir/name/version_<n>` (or the string version): this run's folder."""
         version = self.version
         return os.path.join(self.root_dir, version if isinstance(version, str) else f"version_{version}")
 
@@ -130,7 +169,12 @@ class TensorBoardLogger(Logger):
                 writer.add_scalar(key, _to_scalar(key, value), step)
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace) -> None:
-        """Logs to the HParams dashboard (in this run's event file) and as a table in the Text dashboard."""
+        """Write the hyperparameters to the HParams dashboard (in this run's event file) and as a table in the
+        Text dashboard; nested dicts become `"a/b"` names.
+
+        Args:
+            params: the hyperparameters, by name.
+        """
         if self.rank != 0:
             return
         from torch.utils.tensorboard.summary import hparams

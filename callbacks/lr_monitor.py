@@ -17,14 +17,22 @@ INTERVALS = (None, "step", "epoch")
 
 
 class LearningRateMonitor(Callback):
-    """Logs "lr-<OptimizerClass>" (or the scheduler's `name`), with "/pg<i>" (1-based, or the group's "name")
-    when an optimizer has several parameter groups; a repeated name gets "-1", "-2", ...
+    """Logs the learning rate of every parameter group of every optimizer during training.
 
-    `logging_interval="step"` logs before every optimizer step that the logger would log
-    (`global_step % trainer.log_every_n_steps == 0`), "epoch" at the start of every epoch, and None follows
-    each scheduler's interval (optimizers without a scheduler are logged at both). Values also go into
-    `trainer.callback_metrics`. `log_momentum` and `log_weight_decay` add "<name>-momentum" and
-    "<name>-weight_decay".
+    The names are `"lr-<OptimizerClass>"` (or the scheduler's `name`), with `"/pg<i>"` (1-based, or the group's
+    `"name"`) when an optimizer has several parameter groups; a repeated name gets `"-1"`, `"-2"`, ... Values also
+    go into `trainer.callback_metrics`.
+
+    Args:
+        logging_interval: `"step"`: before every optimizer step that the loggers would log
+            (`global_step % trainer.log_every_n_steps == 0`); `"epoch"`: at the start of every epoch; `None`:
+            at each scheduler's own interval (optimizers without a scheduler are logged at both).
+        log_momentum: also log `"<name>-momentum"` (the momentum, or Adam's first beta).
+        log_weight_decay: also log `"<name>-weight_decay"`.
+
+    Raises:
+        ValueError: if `logging_interval` is not `None`, `"step"` or `"epoch"`; when training starts, if the
+            Trainer has no logger.
     """
 
     def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
@@ -67,8 +75,16 @@ class LearningRateMonitor(Callback):
                 logger.log_metrics(stats, step=trainer.global_step)
 
     def extract_stats(self, trainer: Trainer, interval: str = "any") -> dict[str, float]:
-        """The values to log now: optimizers whose scheduler steps at `interval` ("step", "epoch" or "any"),
-        and optimizers without a scheduler."""
+        """The values to log now: of the optimizers whose scheduler steps at `interval`, and of the optimizers
+        without a scheduler.
+
+        Args:
+            trainer: the Trainer.
+            interval: `"step"`, `"epoch"` or `"any"` (every optimizer).
+
+        Returns:
+            The values by name.
+        """
         stats: dict[str, float] = {}
         for name, optimizer, opt_interval in self._named_optimizers(trainer):
             if interval in ("any", opt_interval) or opt_interval is None:

@@ -38,13 +38,41 @@ def _mlflow() -> Any:
 
 
 class MLFlowLogger(Logger):
+    """Logs to MLflow (Lightning's name and arguments): hyperparameters as params, metrics by step, and the
+    checkpoint path as a tag, through MLflow's client, from rank 0.
+
+    Without a tracking URI the run goes to MLflow's own local store, offline: a sqlite database
+    `<save_dir>/mlflow.db`, with artifacts and this project's checkpoints under
+    `<save_dir>/<experiment_name>/<run_id>/` (see it with `mlflow ui --backend-store-uri
+    sqlite:///<save_dir>/mlflow.db`). `mlflow` is an optional dependency, imported on rank 0 when the run is first
+    needed.
+
+    Args:
+        experiment_name: the MLflow experiment (created if it does not exist).
+        run_name: the run's name; `None` for MLflow's.
+        tracking_uri: the MLflow server or store; `None` for `$MLFLOW_TRACKING_URI`, else the local store under
+            `save_dir`.
+        tags: tags of the new run.
+        save_dir: the folder of the local store (used only without a tracking URI).
+        log_model: `True` logs the best (else the last) checkpoint's files as artifacts when the run ends,
+            `"all"` every checkpoint once it is saved, `False` none.
+        prefix: put before each metric's name, joined with `"-"`.
+        artifact_location: the artifact location of a new experiment; `None` for MLflow's default (with the local
+            store, under `save_dir`).
+        run_id: log to this existing run instead of creating one.
+        synchronous: passed to MLflow's `log_batch`; `None` for MLflow's default.
+
+    Raises:
+        ValueError: if `log_model` is not `False`, `True` or `"all"`; if there is no tracking URI and `save_dir` is
+            None; when a logged metric is not a number or a scalar tensor.
+        ImportError: when the run is first needed, if `mlflow` is not installed.
+    """
+
     def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
                  tracking_uri: str | None = None, tags: dict[str, Any] | None = None,
                  save_dir: str | os.PathLike | None = "./mlruns", log_model: bool | str = False, prefix: str = "",
                  artifact_location: str | None = None, run_id: str | None = None,
                  synchronous: bool | None = None) -> None:
-        """`log_model`: True logs the best (else the last) checkpoint's files as artifacts when the run ends,
-        "all" every checkpoint once it is saved."""
         if log_model not in (True, False, "all"):
             raise ValueError(f"MLFlowLogger: log_model={log_model!r}; use False, True or 'all'")
         tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")

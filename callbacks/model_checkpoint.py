@@ -21,25 +21,46 @@ log = logging.getLogger(__name__)
 
 
 class ModelCheckpoint(Callback):
-    """Saves checkpoints (directories written by `trainer.save_checkpoint`) like Lightning's ModelCheckpoint.
+    """Saves checkpoints (directories written by `trainer.save_checkpoint`) during `fit`, like Lightning's
+    `ModelCheckpoint`, and keeps the best `save_top_k` of them.
 
-    - Triggers: every `every_n_epochs` epochs (default 1) after validation, or at the end of the training
-      epoch when there is no validation (`save_on_train_epoch_end` overrides this); or every
-      `every_n_train_steps` optimizer steps. The two are exclusive.
-    - `monitor` set: keeps the `save_top_k` best by that metric (`mode` "min" or "max"); -1 keeps all, 0 none.
-      A monitored metric still not logged when fit ends (validation never ran, say) is an error listing the
-      logged ones, as is one missing when a save is due.
-      `monitor=None`: keeps the `save_top_k` most recent.
-    - `save_last`: also writes `dirpath/last`, replaced only once the new one is complete (when a top-k
-      checkpoint is written at the same step, `last` is made of the same files: hard links, not a second save).
-    - `async_save`: the files are written in the background while training goes on (see
-      `Trainer.save_checkpoint`); checkpoints that fall out of the top k are removed once the new one is in place.
-    - `dirpath` defaults to `<trainer.log_dir or trainer.default_root_dir>/checkpoints`; `filename` is a
-      template such as "{epoch}-{val/loss:.3f}" (names are inserted: "epoch=3-val_loss=0.123"), default
-      "{epoch}-{step}".
+    The Trainer adds one with the defaults unless `enable_checkpointing=False`. Every rank takes the same
+    decisions: they are made from rank 0's metrics, broadcast. Checkpoints that fall out of the top k are deleted
+    by rank 0 after the new one is complete on every rank.
 
-    Every rank takes the same decisions: they are made from rank 0's metrics, broadcast. Checkpoints that fall
-    out of the top k are deleted by rank 0 after the new one is complete on every rank.
+    Args:
+        dirpath: the folder of the checkpoints; `None` for `<trainer.log_dir or trainer.default_root_dir>/checkpoints`.
+        filename: a name template such as `"{epoch}-{val/loss:.3f}"`, filled from the logged metrics, `epoch`
+            and `step` (with `auto_insert_metric_name` it gives `"epoch=3-val_loss=0.123"`); `None` for
+            `"{epoch}-{step}"`.
+        monitor: the logged metric that ranks the checkpoints; `None` ranks them by step (the most recent are
+            kept).
+        mode: `"min"` (lower `monitor` is better) or `"max"`.
+        save_top_k: how many checkpoints to keep: the best by `monitor`; `-1` keeps all, `0` none (apart from
+            `last`).
+        save_last: also write `dirpath/last` at every save, replaced only once the new one is complete (when a
+            top-k checkpoint is written at the same step, `last` is hard links to its files, not a second save).
+        every_n_train_steps: save every n optimizer steps; `None` or `0` for not by steps.
+        every_n_epochs: save every n epochs (after validation, or at the end of the training epoch without
+            validation); `None` means 1 when `every_n_train_steps` is not set either, else 0 (not by epochs).
+        save_on_train_epoch_end: save at the end of the training epoch (`True`) or after validation (`False`);
+            `None` for after validation when there is validation.
+        auto_insert_metric_name: write `name=` before each value in `filename` (a `/` in a name becomes `_`).
+        verbose: log (at INFO level, on rank 0) when a checkpoint is not in the top k.
+        async_save: write the files in the background while training goes on (see `Trainer.save_checkpoint`);
+            checkpoints that fall out of the top k are removed once the new one is in place.
+
+    Raises:
+        ValueError: if `mode` is not `"min"` or `"max"`; `save_top_k < -1`; `every_n_train_steps` or
+            `every_n_epochs` is negative, or both are positive. During `fit`: if `monitor` is not logged when a
+            save at an epoch's end is due, or was never logged when `fit` ends (the message lists the logged
+            metrics).
+
+    Attributes:
+        best_model_path: the path of the best checkpoint so far (`""` before the first).
+        best_model_score: the monitored value of the best checkpoint (a tensor), or None.
+        last_model_path: the path of the latest `last` checkpoint (`""` before the first).
+        best_k_models: the kept checkpoints' paths and their monitored values.
     """
 
     CHECKPOINT_NAME_LAST = "last"
@@ -277,7 +298,14 @@ class ModelCheckpoint(Callback):
         return os.path.commonpath([previous, self.dirpath]) == self.dirpath
 
     def format_checkpoint_name(self, metrics: dict[str, Any]) -> str:
-        """Fills `filename` from `metrics`: "{epoch}-{val/loss:.2f}" -> "epoch=2-val_loss=0.31"."""
+        """Fill `filename` from `metrics`: `"{epoch}-{val/loss:.2f}"` gives `"epoch=2-val_loss=0.31"`.
+
+        Args:
+            metrics: values by name; names missing from it are filled with 0.
+
+        Returns:
+            The checkpoint's name (without the folder).
+        """
         template = self.filename or "{epoch}-{step}"
         metrics = dict(metrics)
         for group in sorted(re.findall(r"(\{.*?)[:\}]", template), key=len, reverse=True):

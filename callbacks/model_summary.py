@@ -25,6 +25,20 @@ def _mib(nbytes: int) -> str:
 
 
 class ModelSummary(Callback):
+    """Prints a table of the model's layers when `fit` starts, on rank 0 (Lightning's name).
+
+    The table lists each layer's name, type and parameter count and, under a strategy that shards parameters over
+    more than one rank, the bytes each rank holds of it; then the trainable and total parameter counts and the
+    parameter bytes per rank. The Trainer adds one unless `enable_model_summary=False`.
+
+    Args:
+        max_depth: how deep in the module tree to list layers: `1` for the top-level layers, `0` for the totals
+            only.
+
+    Raises:
+        ValueError: if `max_depth` is not an int >= 0.
+    """
+
     def __init__(self, max_depth: int = 1) -> None:
         if not isinstance(max_depth, int) or max_depth < 0:
             raise ValueError(f"ModelSummary: max_depth={max_depth!r}; use an int >= 0 (0: totals only)")
@@ -36,6 +50,15 @@ class ModelSummary(Callback):
             print(table, flush=True)
 
     def table(self, trainer: Trainer, module: TrainModule) -> str:
+        """The summary table as text (called on every rank: it reads the strategy's per-rank sizes).
+
+        Args:
+            trainer: the Trainer, with the strategy set up.
+            module: the TrainModule.
+
+        Returns:
+            The table.
+        """
         held = trainer.strategy.parameter_bytes()  # by the first name of each parameter
         first_names = {id(p): name for name, p in module.named_parameters()}
         sharded = trainer.strategy.spec.shard_parameters and trainer.world_size > 1

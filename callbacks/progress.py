@@ -16,12 +16,20 @@ if TYPE_CHECKING:
 
 
 class ProgressBar(Callback):
-    """Shows epoch, batches done, it/s, the step loss, the optimizer step and every metric logged with
-    `prog_bar=True`. Updates every `refresh_rate` batches; ranks other than 0 show nothing.
+    """A tqdm progress bar on rank 0: one bar per training epoch, a transient bar for each validation.
 
+    It shows the epoch, batches done, it/s, the step loss, the optimizer step and every metric logged with
+    `prog_bar=True`; ranks other than 0 show nothing. The Trainer adds one unless `enable_progress_bar=False`.
     When the output is not a terminal (CI logs, files) the bar is redrawn at most every `non_tty_interval`
-    seconds so logs stay short, the final state of each epoch is always written, and validation inside an
-    epoch shows no bar.
+    seconds so logs stay short, the final state of each epoch is always written, and validation inside an epoch
+    shows no bar.
+
+    Args:
+        refresh_rate: update the bar every this many batches.
+        non_tty_interval: seconds between redraws when the output is not a terminal.
+
+    Raises:
+        ValueError: if `refresh_rate < 1`.
     """
 
     def __init__(self, refresh_rate: int = 1, non_tty_interval: float = 10.0) -> None:

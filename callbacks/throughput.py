@@ -35,8 +35,25 @@ def leading_dimension(batch: Any) -> int:
 
 
 class ThroughputMonitor(Callback):
-    """`batch_size_fn(batch)`: samples in a batch (default: the first tensor's leading dimension); `length_fn(batch)`:
-    items in it (e.g. tokens; logged as items_per_sec); `available_flops`: one rank's peak FLOP/s, for `device/mfu`."""
+    """Logs samples, items (e.g. tokens) and FLOPs per second during training (Lightning's name).
+
+    The values are logged to the loggers every `log_every_n_steps` optimizer steps: this rank's (`device/...`)
+    and, for all ranks, this rank's times the world size. The FLOPs of one training batch (forward and backward,
+    this rank) are counted once, on the first batch, with `torch.utils.flop_counter.FlopCounterMode`; every later
+    batch is taken to cost the same.
+
+    Args:
+        batch_size_fn: `batch -> int`, the samples in a batch; `None` for the leading dimension of the batch's
+            first tensor.
+        length_fn: `batch -> int`, the items in a batch (e.g. tokens), logged as `items_per_sec`; `None` to not
+            count items.
+        available_flops: one rank's peak FLOP/s, to log the model FLOPs utilization as `device/mfu`; `None` to
+            not log it.
+
+    Raises:
+        TypeError: if `batch_size_fn` or `length_fn` is given and not callable.
+        ValueError: during training, without `batch_size_fn`, if a batch holds no tensor.
+    """
 
     def __init__(
         self,

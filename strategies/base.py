@@ -35,15 +35,44 @@ REDUCE_OPS = {
 
 
 class Strategy:
-    """Base strategy: subclasses set `spec` (what is sharded) and may add options."""
+    """How a model is spread over the data-parallel ranks: the base of every strategy.
+
+    A strategy is a sharding spec (what is sharded: nothing, optimizer state, gradients, parameters) plus options;
+    the work is done by one sharding engine. Give it to `Trainer(strategy=...)`, or use it in a plain loop (Lightning
+    Fabric's names): after `setup_module` the model is an ordinary module (call it, `loss.backward()`), and the
+    optimizer returned by `setup_optimizer` steps this rank's shards. Under `torchrun`, create the process group
+    first; `setup_module` uses it.
+
+    Subclasses set `spec` and may add options; the strategies to use are `SingleDeviceStrategy`, `DDPStrategy`,
+    `ZeroStrategy` and `FSDPStrategy`.
+
+    Example:
+        ```python
+        strategy = FSDPStrategy(auto_wrap_policy={Block})
+        model = strategy.setup_module(model)
+        optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters()))
+        for x in loader:
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        strategy.save("ckpt", {"model": model, "optimizer": optimizer, "step": 7})
+        ```
+
+    Args:
+        compile: which modules' `forward` to `torch.compile` in place, the engine's hooks staying outside:
+            `None` or `False` (none), `True` (the strategy's units: FSDP's wrapped modules; otherwise the model
+            itself if it defines `forward`, else each child of it that holds parameters), a set of module
+            classes, or a callable `(module, name) -> bool`.
+        compile_options: keyword arguments for `torch.compile` (e.g. `{"mode": "max-autotune"}`).
+
+    Raises:
+        TypeError: if `compile` is an int or not one of the forms above, or `compile_options` is not a dict.
+    """
 
     name = "custom"
     spec: ShardingSpec = ShardingSpec()
 
     def __init__(self, compile: Any = None, compile_options: dict[str, Any] | None = None) -> None:
-        """`compile`: True (the strategy's units: fsdp's wrapped modules; otherwise the whole model, or each child of
-        the TrainModule holding parameters), a set of module classes or a callable (module, name) -> bool; each
-        chosen module's forward is torch.compile'd in place, with `compile_options`."""
         self.engine: ShardingEngine | None = None
         self._init_record: InitRecord | None = None  # of the last model built under model_init_context
         self.root_device = torch.device("cpu")
@@ -59,25 +88,48 @@ class Strategy:
 
     # ---- environment --------------------------------------------------------------------------------
     def connect(self, device: torch.device, world_size: int, global_rank: int) -> None:
-        """Called by the Trainer once the process group (if any) exists."""
+        """Set this rank's device, the world size and the rank. The Trainer calls it once the process group (if
+        any) exists; `setup_module` calls it for a plain loop.
+
+        Args:
+            device: this rank's device.
+            world_size: the number of ranks.
+            global_rank: this rank.
+        """
         self.root_device, self.world_size, self.global_rank = device, world_size, global_rank
         self._connected = True
 
     @property
     def is_global_zero(self) -> bool:
+        """Whether this process is rank 0."""
         return self.global_rank == 0
 
     @property
     def distributed(self) -> bool:
+        """Whether there is more than one rank."""
         return self.world_size > 1
 
     def barrier(self, name: str | None = None) -> None:
+        """Wait until every rank gets here. Collective.
+
+        Args:
+            name: not used (Lightning's signature).
+        """
         if self.distributed:
             self._note(Collective("barrier"))
             with observe.collective("barrier", None, None):
                 dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from rank `src` to every rank. Collective.
+
+        Args:
+            obj: the object (only `src`'s is used).
+            src: the rank that sends.
+
+        Returns:
+            `src`'s object.
+        """
         if not self.distributed:
             return obj
         self._note(Collective("broadcast"))
@@ -87,6 +139,14 @@ class Strategy:
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object. Collective.
+
+        Args:
+            obj: this rank's object.
+
+        Returns:
+            The objects, by rank.
+        """
         if not self.distributed:
             return [obj]
         self._note(Collective("all_gather_object"))
@@ -96,7 +156,18 @@ class Strategy:
         return out
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """Reduce a tensor across ranks (returns a new tensor; the input is left unchanged)."""
+        """Reduce a tensor across ranks. Collective.
+
+        Args:
+            tensor: this rank's tensor (left unchanged).
+            op: `"mean"`, `"sum"`, `"max"` or `"min"`.
+
+        Returns:
+            A new tensor holding the result, on this rank's device.
+
+        Raises:
+            ValueError: for an unknown `op`.
+        """
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce: op={op!r}; choose one of {sorted(REDUCE_OPS)}")
         if not self.distributed:
@@ -108,8 +179,15 @@ class Strategy:
         return out / self.world_size if op == "mean" else out
 
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
-        """Every rank's tensors in `data` (a tensor or a tree of them), stacked along a new first dimension;
-        with `sync_grads` differentiable (torch.distributed.nn's all_gather)."""
+        """Every rank's tensors in `data`, stacked along a new first dimension of size `world_size`. Collective.
+
+        Args:
+            data: a tensor, or a tree (dicts, lists, tuples) of them; other leaves are left as they are.
+            sync_grads: make the gather differentiable (`torch.distributed.nn`'s `all_gather`).
+
+        Returns:
+            `data`'s structure with each tensor gathered.
+        """
 
         def gather(tensor: torch.Tensor) -> torch.Tensor:
             tensor = tensor.to(self.root_device).contiguous()
@@ -157,22 +235,41 @@ class Strategy:
             self._trace.add(collective)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree on a decision across ranks. Collective.
+
+        Args:
+            decision: this rank's decision.
+            all: `True`: the result is True only if every rank decided True; `False`: if any rank did.
+
+        Returns:
+            The agreed decision.
+        """
         flag = torch.tensor(int(decision), device=self.root_device)
         flag = self.all_reduce(flag, op="min" if all else "max")
         return bool(flag.item())
 
     # ---- model and optimizer ------------------------------------------------------------------------
     def model_init_context(self) -> Any:
-        """Context that `configure_model` runs under (fsdp builds on the meta device)."""
+        """The context `configure_model` runs under: for FSDP the model is built on the meta device and each rank
+        materializes only its shards in `setup_module`; the other strategies build it normally."""
         return nullcontext()
 
     def engine_options(self) -> dict[str, Any]:
         return {}
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Shard `module` in place and return it. It stays an ordinary module: call it, `loss.backward()`,
-        and step the optimizer returned by `setup_optimizer`. Outside the Trainer (a plain loop under torchrun)
-        the process group the user created is used."""
+        """Shard `module` in place (moving it to this rank's device) and return it.
+
+        It stays an ordinary module: call it, `loss.backward()`, and step the optimizer returned by
+        `setup_optimizer`. Outside the Trainer (a plain loop under torchrun) the process group the user created is
+        used; without one, a single CPU process.
+
+        Args:
+            module: the model; tensors built on the meta device under `model_init_context` are materialized.
+
+        Returns:
+            `module` itself.
+        """
         if not self._connected:
             self.connect(*_environment())
         # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
@@ -190,16 +287,29 @@ class Strategy:
         return [u.module for u in self.engine.units if u.module is not None and u.module is not module]
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The same optimizer, stepping this rank's shards; its step() and zero_grad() drive the engine."""
+        """Make `optimizer` step this rank's shards; call it after `setup_module`.
+
+        Args:
+            optimizer: an optimizer over the module's parameters.
+
+        Returns:
+            The same optimizer; its `step()` and `zero_grad()` drive the engine.
+        """
         return self.engine.setup_optimizer(optimizer)
 
     def forward_context(self) -> AbstractContextManager:
-        """What the Trainer runs training_step, validation_step, ... in: one forward pass of the model."""
+        """The context of one forward pass of the model (the Trainer runs `training_step`, `validation_step`, ...
+        in it)."""
         return self.engine.forward_scope()
 
     @contextmanager
     def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:
-        """Skip gradient synchronisation for micro-batches that are not the last of an accumulation."""
+        """Skip gradient synchronisation inside the block, for micro-batches that are not the last of an
+        accumulation (as DDP's `no_sync`); gradients accumulate locally.
+
+        Args:
+            enabled: `False` makes the context do nothing.
+        """
         with self.engine.no_sync() if enabled else nullcontext():
             yield
 
@@ -209,14 +319,31 @@ class Strategy:
         self.engine.synchronize()
 
     def unsharded(self, module: nn.Module | None = None, write_back: bool = True) -> AbstractContextManager:
-        """`with strategy.unsharded(module):` every parameter of `module` is there in full (master precision) to
-        read and change in place; changes are kept on exit. Call it on every rank."""
+        """A context in which every parameter of `module` is there in full (master precision), to read and
+        change in place; on exit each rank keeps its own slice of what was written, so write alike on every rank.
+        Collective under FSDP (call it on every rank); replicated parameters are always full.
+
+        Args:
+            module: the set-up module or one of its submodules; `None` for the whole model.
+            write_back: keep the changes on exit.
+
+        Raises:
+            RuntimeError: if used during the backward pass.
+        """
         return self.engine.unsharded(module, write_back)
 
     def clip_gradients(self, max_norm: float, params: list[torch.Tensor] | None = None,
                        algorithm: str = "norm") -> torch.Tensor | None:
-        """Clip the gradients of `params` (all by default): "norm" by their global L2 norm over every rank
-        (returns that norm, before clipping), "value" each element to [-max_norm, max_norm]."""
+        """Clip the gradients over every rank and shard. Collective.
+
+        Args:
+            max_norm: the largest norm (`"norm"`) or element magnitude (`"value"`).
+            params: the parameters whose gradients are clipped; `None` for all.
+            algorithm: `"norm"` (by their global L2 norm) or `"value"` (each element to `[-max_norm, max_norm]`).
+
+        Returns:
+            With `"norm"`, the global norm before clipping; with `"value"`, None.
+        """
         if algorithm == "value":
             gradient_access.clip_grad_value_(self.engine, max_norm, params)
             return None
@@ -227,25 +354,65 @@ class Strategy:
         return gradient_access.gradient_tensors(self.engine)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
-        """Every parameter's averaged gradient in full, by name. Collective (call it on every rank)."""
+        """Every parameter's averaged gradient in full, by name. Collective (call it on every rank); it holds
+        them all at once, so it is for inspection, not for every step.
+
+        Returns:
+            A dict of parameter name to gradient tensor; parameters without a gradient are left out.
+        """
         return gradient_access.full_gradients(self.engine)
 
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-        """The module's parameters that `optimizer` (given to setup_optimizer) steps."""
+        """The module's parameters that `optimizer` steps.
+
+        Args:
+            optimizer: an optimizer returned by `setup_optimizer`.
+
+        Returns:
+            The parameters, as the module holds them.
+        """
         return self.engine.optimizer_parameters(optimizer)
 
     # ---- checkpoints (Lightning Fabric's names) ---------------------------------------------------------
     def save(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
-        """Write a checkpoint of `state`, such as {"model": model, "optimizer": optimizer, "step": 7}, at `path`
-        in the Trainer's DCP format: the model and optimizers as each rank's pieces, any other entry from rank 0
-        (a scheduler or anything with a state_dict() as its state dict). Collective: every rank calls it."""
+        """Write a checkpoint of `state` at `path`, in the Trainer's DCP format. Collective: every rank calls it.
+
+        The model and optimizers are written as each rank's pieces (nothing is gathered); every other entry is
+        written from rank 0, an object with a `state_dict()` (a scheduler) as its state dict.
+
+        Args:
+            path: the checkpoint directory.
+            state: what to save, such as `{"model": model, "optimizer": optimizer, "step": 7}`; the model and
+                optimizers are the set-up ones.
+
+        Raises:
+            TypeError: if `state` is not a dict.
+            RuntimeError: if `setup_module` was not called first.
+            ValueError: if `state` does not hold the set-up model exactly once, holds another module, or uses the
+                checkpoint's reserved key.
+        """
         loop_state.save(self, path, state)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any]) -> dict[str, Any]:
-        """Restore `state` in place from a checkpoint of `save` (or of the Trainer) written under any strategy and
-        world size, resharded: the model and optimizers in place, entries with load_state_dict through it, other
-        entries replaced in `state`. Returns the checkpoint's entries that are not the model or an optimizer.
-        Collective."""
+        """Restore `state` in place from a checkpoint of `save` (or of the Trainer), written under any strategy and
+        world size. Collective.
+
+        The model and optimizers are loaded in place, resharded; entries with a `load_state_dict` are loaded
+        through it; other entries are replaced in `state`.
+
+        Args:
+            path: the checkpoint directory.
+            state: what to restore, with the same keys as were saved (e.g. `{"model": model, "optimizer": opt}`).
+
+        Returns:
+            The checkpoint's entries that are not the model or an optimizer.
+
+        Raises:
+            TypeError: if `state` is not a dict.
+            RuntimeError: if `setup_module` was not called first.
+            ValueError: if `state` does not hold the set-up model exactly once, or holds another module; if the
+                checkpoint does not fit the model (names, shapes) or lacks one of `state`'s keys.
+        """
         return loop_state.load(self, path, state)
 
     # ---- state --------------------------------------------------------------------------------------
@@ -305,20 +472,29 @@ class Strategy:
         return self.engine.groups.replica == 0
 
     def parameter_aliases(self) -> dict[str, str]:
+        """Names of tied parameters: each alias and the name it shares its tensor with."""
         return engine_state.parameter_aliases(self.engine.module)
 
     def full_state_dict(self, rank_zero_only: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-        """The unwrapped model's state dict, gathered unit by unit. Collective. Every rank gets it; with
-        `rank_zero_only` the other ranks get {} and hold at most one unit at a time. With `trainable_only`, the
-        parameters that require grad and nothing else (a LoRA adapter, for peft's `save_pretrained(...,
-        state_dict=...)`): the frozen parameters are not gathered."""
+        """The model's plain state dict (original names and shapes), gathered unit by unit. Collective.
+
+        Args:
+            rank_zero_only: only rank 0 gets it; the other ranks get `{}` and hold at most one unit at a time.
+            trainable_only: only the parameters that require grad (a LoRA adapter, for peft's
+                `save_pretrained(..., state_dict=...)`); the frozen parameters are not gathered.
+
+        Returns:
+            A dict of name to full tensor.
+        """
         keep = self.is_global_zero or not rank_zero_only
         return engine_state.full_state_dict(self.engine, keep=keep, trainable_only=trainable_only)
 
     def full_state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """The shape and dtype of each entry of `full_state_dict`, without gathering anything."""
         return engine_state.full_state_shapes(self.engine)
 
     def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind (parameters, gradients, optimizer state, ...)."""
         from .sharding.memory import memory_report
 
         return memory_report(self.engine)

@@ -20,6 +20,51 @@ from .wrap import resolve_wrap_policy
 
 
 class FSDPStrategy(Strategy):
+    """Fully sharded data parallel: parameters, gradients and optimizer state sharded over the ranks.
+
+    The model is split into units; each unit's parameters are all-gathered just before it computes and freed
+    right after. Without an `auto_wrap_policy` the whole model is one unit. A model built in `configure_model`
+    (or under `model_init_context`) is created on the meta device and each rank materializes only its shards.
+
+    Args:
+        auto_wrap_policy: which modules become units: a set of module classes (each instance becomes a unit, e.g.
+            a transformer block), a positive int (a module becomes a unit when it holds at least that many
+            parameters outside its child units, as torch's `size_based_auto_wrap_policy`), or a callable
+            `(module, name) -> bool`. `None`: the model is one unit. Modules can also be marked with
+            `mark_as_unit`.
+        cpu_offload: keep the parameter shards (and so the optimizer step) in CPU memory, pinned when a GPU is
+            used; they are copied to the GPU when a unit is gathered.
+        activation_checkpointing: which modules recompute their activations in backward instead of storing them
+            (torch's non-reentrant checkpoint): the same forms as `auto_wrap_policy`; `None` for none.
+        reshard_after_forward: free each unit's gathered parameters after its forward (gathered again for
+            backward); `False` keeps them until backward: one all-gather per unit less, for more memory.
+        mixed_precision: a `MixedPrecision`: units are gathered and compute in its `param_dtype` and gradients
+            are reduced in its `reduce_dtype`; the master shards and optimizer state stay in the parameters' own
+            dtype. `None` for no mixed precision.
+        activation_offload: move the activations saved for backward to CPU memory
+            (`torch.autograd.graph.save_on_cpu`, pinned when a GPU is used) and bring them back in backward.
+        hybrid_shard: `None` (shard over every rank), `"node"` (shard within each machine's ranks, replicate
+            across machines) or a group size G (shard within groups of G ranks, replicate across the groups): HSDP.
+            `Trainer(strategy="hsdp")` is `FSDPStrategy(hybrid_shard="node")`.
+        compile: which modules' `forward` to `torch.compile` in place, the engine's hooks staying outside:
+            `None` or `False` (none), `True` (every wrapped unit; the model itself without a wrap policy), a set of
+            module classes, or a callable `(module, name) -> bool`.
+        compile_options: keyword arguments for `torch.compile` (e.g. `{"mode": "max-autotune"}`).
+
+    Raises:
+        TypeError: if `auto_wrap_policy` or `activation_checkpointing` is not one of the forms above; if
+            `cpu_offload`, `reshard_after_forward` or `activation_offload` is not a bool; if `mixed_precision` is
+            not a `MixedPrecision` or None; for a `compile` or `compile_options` of the wrong type.
+        ValueError: if `hybrid_shard` is not one of the forms above.
+
+    Example:
+        ```python
+        strategy = FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing={Block},
+                                mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        trainer = Trainer(strategy=strategy, devices=8)
+        ```
+    """
+
     name = "fsdp"
     spec = FULL_SHARD
 
@@ -35,9 +80,6 @@ class FSDPStrategy(Strategy):
         compile: Any = None,
         compile_options: dict[str, Any] | None = None,
     ) -> None:
-        """`compile`: True (every wrapped unit; the root's forward without a wrap policy), a set of module classes
-        or a callable (module, name) -> bool; each chosen module's forward is torch.compile'd in place, with
-        `compile_options` (torch.compile's keyword arguments), the engine's hooks outside."""
         super().__init__(compile, compile_options)
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
@@ -53,8 +95,9 @@ class FSDPStrategy(Strategy):
 
     @contextmanager
     def model_init_context(self) -> Iterator[None]:
-        """configure_model builds on the meta device, recording how each tensor is made: no memory until each rank
-        materializes its shards, unit by unit, with exactly the values the eager construction makes."""
+        """The context `configure_model` runs under: the model is built on the meta device, recording how each
+        tensor is made, so no memory is used until each rank materializes its shards, unit by unit, with exactly
+        the values the eager construction makes."""
         with deferred_init() as record:
             self._init_record = record
             yield
@@ -81,6 +124,16 @@ class FSDPStrategy(Strategy):
         return [m for _, m in policy_modules(module, self.auto_wrap_policy) if any(True for _ in m.parameters())]
 
     def setup_module(self, module: nn.Module) -> nn.Module:
+        """Apply activation checkpointing, then shard `module` in place into units and return it (see
+        `Strategy.setup_module`).
+
+        Args:
+            module: the model; tensors built on the meta device under `model_init_context` are materialized,
+                each rank its own shards.
+
+        Returns:
+            `module` itself.
+        """
         if self.activation_checkpointing is not None:
             apply_activation_checkpointing(module, self.activation_checkpointing)
         return super().setup_module(module)

@@ -10,8 +10,19 @@ import torch
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Compute with parameters gathered in `param_dtype` and reduce gradients in `reduce_dtype` (default: the
-    param dtype); master weights and optimizer state stay in the parameters' own dtype (fp32)."""
+    """Mixed precision for `FSDPStrategy` and `ZeroStrategy`: compute in one dtype, keep fp32 master weights.
+
+    Parameters are gathered (or kept replicated) in `param_dtype` for compute; master weights and optimizer state
+    stay in the parameters' own dtype (fp32).
+
+    Args:
+        param_dtype: the dtype of the parameters used for compute, e.g. `torch.bfloat16`; `None` for the
+            parameters' own dtype.
+        reduce_dtype: the dtype in which gradients are reduced over the ranks; `None` for `param_dtype`.
+
+    Raises:
+        TypeError: if either is not a floating `torch.dtype` or None.
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None

@@ -18,10 +18,24 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {
     "fsdp": FSDPStrategy,
     "hsdp": lambda: FSDPStrategy(hybrid_shard="node"),
 }
+"""The strategy names `get_strategy` and `Trainer(strategy=...)` accept, each with a function that makes a new
+strategy of that name."""
 
 
 def get_strategy(name: str) -> Strategy:
-    """A new strategy by name: one of "single", "ddp", "zero1", "zero2", "fsdp", "hsdp"."""
+    """A new strategy with its default options, by name (as `Trainer(strategy=name)` takes it).
+
+    Args:
+        name: `"single"` (`SingleDeviceStrategy`), `"ddp"` (`DDPStrategy`), `"zero1"` / `"zero2"`
+            (`ZeroStrategy(stage=1 | 2)`), `"fsdp"` (`FSDPStrategy`) or `"hsdp"`
+            (`FSDPStrategy(hybrid_shard="node")`).
+
+    Returns:
+        The strategy.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
     if name not in STRATEGIES:
         raise ValueError(
             f"strategy={name!r} is not known; choose one of {['auto', *STRATEGIES]} or pass a Strategy"

@@ -10,10 +10,29 @@ from .sharding import ZERO1, ZERO2, UnitOptions
 
 
 class ZeroStrategy(Strategy):
-    """`mixed_precision`: replicated parameters and gradients in `param_dtype`, full-precision master weights and
-    optimizer state sharded, as in the ZeRO paper (stage 1 reduces gradients in `param_dtype`).
-    `hybrid_shard=G`: shard within groups of G ranks, replicate across the groups (ZeRO++'s hpZ).
-    `compile`: as DDPStrategy's."""
+    """ZeRO stage 1 (optimizer state sharded) or stage 2 (gradients sharded too); parameters stay replicated.
+
+    `Trainer(strategy="zero1")` and `"zero2"` are `ZeroStrategy(stage=1)` and `ZeroStrategy(stage=2)`.
+
+    Args:
+        stage: `1` (optimizer state sharded over the ranks) or `2` (gradients sharded too). For stage 3, use
+            `FSDPStrategy`.
+        mixed_precision: a `MixedPrecision`: the replicated parameters and gradients in its `param_dtype`, the
+            full-precision master weights and optimizer state sharded, as in the ZeRO paper (stage 1 reduces
+            gradients in `param_dtype`). `None` for no mixed precision.
+        hybrid_shard: `None` (shard over every rank), `"node"` (shard within each machine's ranks, replicate
+            across machines) or a group size G (shard within groups of G ranks, replicate across the groups).
+            As ZeRO++'s hpZ.
+        compile: which modules' `forward` to `torch.compile` in place, the engine's hooks staying outside:
+            `None` or `False` (none), `True` (the model itself if it defines `forward`, else each child of it that
+            holds parameters), a set of module classes, or a callable `(module, name) -> bool`.
+        compile_options: keyword arguments for `torch.compile` (e.g. `{"mode": "max-autotune"}`).
+
+    Raises:
+        ValueError: if `stage` is not 1 or 2, or `hybrid_shard` is not one of the forms above.
+        TypeError: if `mixed_precision` is not a `MixedPrecision` or None; for a `compile` or `compile_options`
+            of the wrong type.
+    """
 
     def __init__(
         self,

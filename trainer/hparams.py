@@ -13,9 +13,18 @@ class HyperparametersMixin:
     """`save_hyperparameters` and `hparams`, shared by TrainModule and DataModule (as in Lightning)."""
 
     def save_hyperparameters(self, *args: Any, ignore: Any = None, **hparams: Any) -> None:
-        """Record hyperparameters (logged to TensorBoard, saved in checkpoints, used by `load_from_checkpoint`).
-        With no arguments, every argument `__init__` was called with (as Lightning); or the named ones
-        (`save_hyperparameters("lr", "hidden")`), one dict or Namespace, or keywords. `ignore`: names to leave out."""
+        """Record hyperparameters in `self.hparams` (logged, saved in checkpoints, used by
+        `load_from_checkpoint`).
+
+        Call it in `__init__`. With no arguments it records every argument `__init__` was called with (as
+        Lightning).
+
+        Args:
+            *args: names of `__init__` arguments to record (`save_hyperparameters("lr", "hidden")`), or one dict
+                or `argparse.Namespace` to record.
+            ignore: a name or names of `__init__` arguments to leave out.
+            **hparams: hyperparameters to record by keyword.
+        """
         frame = inspect.currentframe().f_back
         try:
             self.hparams.update(collect(frame, self, args, ignore, hparams))

@@ -9,7 +9,20 @@ import torch
 
 
 def seed_everything(seed: int = 0) -> int:
-    """Seed Python, NumPy (if installed) and torch on this process; returns the seed."""
+    """Seed Python's `random`, NumPy (if installed) and torch on this process.
+
+    The seed is also kept in the environment variable `PL_GLOBAL_SEED`, from which the Trainer seeds the
+    `DistributedSampler` it puts in the loaders.
+
+    Args:
+        seed: the seed.
+
+    Returns:
+        The seed.
+
+    Raises:
+        TypeError: if `seed` is not an int.
+    """
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed_everything: seed must be an int, got {seed!r}")
     os.environ["PL_GLOBAL_SEED"] = str(seed)

@@ -46,6 +46,93 @@ FAST_DEV_RUN_DROPS = (ModelCheckpoint, EarlyStopping, LearningRateMonitor, Throu
 
 
 class Trainer:
+    """Runs a `TrainModule`'s training, validation, test and prediction loops under a strategy.
+
+    The arguments follow Lightning's `Trainer`. Every argument is checked in the constructor, before any other
+    rank is started. Started plainly with `devices=N` (N > 1), the constructor starts the other N-1 ranks by
+    running the same command again with the rank environment set; under `torchrun` or `srun` it joins the
+    ranks these started. Code after `fit` runs on every rank; use `is_global_zero` to pick one.
+
+    Args:
+        strategy: how the model is spread over the ranks: `"auto"` (`"ddp"` with more than one rank or under a
+            launcher, else `"single"`; with `max_memory_per_rank` the memory plan picks one at the first
+            `fit`), a name `"single"`, `"ddp"`, `"zero1"`, `"zero2"`, `"fsdp"`, `"hsdp"` (see
+            `strategies.get_strategy`), or a `strategies.Strategy` object that holds its own options.
+        devices: ranks per node: a positive int, a list of CUDA device indices (one rank each, e.g. `[0, 2]`),
+            or `"auto"` / `-1` (every visible GPU with `accelerator="cuda"`, one process on CPU).
+        accelerator: `"auto"` (CUDA if available, else CPU), `"cpu"`, `"cuda"` or `"gpu"` (same as
+            `"cuda"`).
+        num_nodes: number of nodes. With more than one, start each node with `torchrun` or `srun`.
+        precision: `"32"` (default), `"bf16-mixed"` or `"16-mixed"` (autocast; `"16-mixed"` also scales
+            the loss), `"bf16-true"` or `"16-true"` (weights and batches in that dtype). Lightning's names
+            `"32-true"`, `32`, `"16"`, `16` and `"bf16"` are accepted too.
+        max_epochs: stop after this many epochs; `-1` for no limit. `None` (default) means 1000 when
+            `max_steps` is `-1`, else no limit.
+        max_steps: stop after this many optimizer steps; `-1` (default) for no limit.
+        accumulate_grad_batches: batches whose gradients are summed before each optimizer step.
+        gradient_clip_val: clip the gradients at this value before each optimizer step; `None` to not clip.
+        val_check_interval: how often validation runs within an epoch: a float in (0, 1] is a fraction of the
+            training epoch, an int a number of training batches.
+        limit_train_batches: training batches per epoch: a float in (0, 1] (a fraction of the loader) or an int
+            count.
+        limit_val_batches: validation batches per run, as `limit_train_batches`; `0` turns validation off.
+        limit_test_batches: test batches, as `limit_train_batches`.
+        log_every_n_steps: how often (in optimizer steps) values logged with `on_step=True` are written to the
+            loggers.
+        callbacks: `callbacks.Callback` objects. A `callbacks.ProgressBar`,
+            `callbacks.ModelSummary` and `callbacks.ModelCheckpoint` are added unless given or turned
+            off by the `enable_*` arguments.
+        logger: `True` (a `callbacks.TensorBoardLogger` under `default_root_dir`), `False` or
+            `None` (no logger), a `callbacks.Logger`, or a list of them (each gets every write).
+        default_root_dir: folder of the default logger's runs and, without a logger, of the checkpoints.
+        enable_progress_bar: add a `callbacks.ProgressBar` if `callbacks` has none.
+        enable_checkpointing: add a `callbacks.ModelCheckpoint` if `callbacks` has none.
+        deterministic: call `torch.use_deterministic_algorithms(True)`.
+        timeout: timeout of the collectives (the process group's): seconds (a positive number) or a
+            `datetime.timedelta`; `None` means 3 minutes.
+        sync_batchnorm: convert the module's batch-norm layers to `torch.nn.SyncBatchNorm` (CUDA only).
+        check_val_every_n_epoch: validate in every n-th epoch only.
+        max_memory_per_rank: with `strategy="auto"` only: a memory budget per rank (bytes as an int, or a
+            string such as `"80GiB"` or `"1.5 GB"`); the memory plan picks a strategy that fits it.
+        compile: `torch.compile` the strategy's units. To choose which modules, use the strategy's own
+            `compile=` argument instead.
+        on_nonfinite: what a non-finite loss (or gradient norm, when clipping) does: `"error"` (raise
+            `FloatingPointError` on every rank before the weights change), `"skip"` (skip the step, with a
+            warning) or `"ignore"`.
+        num_sanity_val_steps: validation batches run before training starts; `-1` for all of them.
+        enable_model_summary: add a `callbacks.ModelSummary` if `callbacks` has none.
+        fast_dev_run: `True` (1) or n: run n batches of training, validation and test once, with no logger,
+            no checkpoints and no sanity check; `ModelCheckpoint`, `EarlyStopping`, `LearningRateMonitor`
+            and `ThroughputMonitor` callbacks are dropped.
+        use_distributed_sampler: rebuild the given `DataLoader` objects with a `DistributedSampler` (keeping
+            their shuffle setting and batch size, which is per rank). `False` uses them as given.
+        gradient_clip_algorithm: `"norm"` (clip the total gradient norm) or `"value"` (clip each element).
+        profiler: `None`, `"simple"`, `"pytorch"` or a `trainer.profilers.Profiler`.
+        detect_divergence: check before each collective that every rank makes the same one, and raise an error
+            naming each rank's collective and line of code when they differ (also turned on by the environment
+            variable `SHARDTRAIN_DETECT_DIVERGENCE=1`).
+        max_time: stop training after this much time (summed over resumes): `"DD:HH:MM:SS"`, a
+            `datetime.timedelta` or a dict of its arguments (e.g. `{"hours": 12}`).
+        **unsupported: not accepted; a Lightning argument this Trainer does not take, or a misspelled one, is
+            refused with a `TypeError` that names the closest thing.
+
+    Raises:
+        TypeError: for an unknown argument; a non-bool `compile`, `use_distributed_sampler`,
+            `enable_model_summary` or `detect_divergence`; a `strategy`, `callbacks` entry, `logger` or
+            `profiler` of the wrong type.
+        ValueError: for an argument outside its valid values (the message names it); `accelerator="cuda"` or
+            CUDA `devices` beyond those available; `sync_batchnorm=True` without CUDA; `max_memory_per_rank`
+            with a strategy other than `"auto"`; `enable_checkpointing=False` with a `ModelCheckpoint` in
+            `callbacks`; `num_nodes > 1` without a launcher, or a launched world size that is not
+            `devices * num_nodes`.
+
+    Example:
+        ```python
+        trainer = Trainer(strategy="fsdp", devices=2, max_epochs=10, precision="bf16-mixed")
+        trainer.fit(module, train_loader, val_loader)
+        ```
+    """
+
     def __init__(
         self,
         strategy: str | Strategy = "auto",
@@ -129,6 +216,7 @@ class Trainer:
         self.compile = compile
         self.max_memory_per_rank = planning.check_memory_budget(strategy, max_memory_per_rank)
         self.strategy = construction.resolve_strategy(strategy, devices * num_nodes)
+        """The `Strategy` in use (with `strategy="auto"`, the one the first fit chose)."""
         self._auto_strategy = strategy == "auto"  # the plan may decide again once fit knows the module
         self.num_nodes = num_nodes
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
@@ -141,9 +229,12 @@ class Trainer:
         self.sync_batchnorm, self.deterministic = sync_batchnorm, deterministic
         self.callbacks = construction.build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
                                                       enable_model_summary)
+        """The callbacks: those given, and those the Trainer added (progress bar, model summary, checkpointing)."""
         self.loggers = construction.build_loggers(logger, self.default_root_dir)
+        """The loggers (`logger` is the first of them)."""
         self.timeout = config.check_timeout(timeout)
         self.local_rank = construction.start_ranks(self, devices, self._device_ids, num_nodes, self.timeout)
+        """This process's rank on its node."""
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
@@ -153,11 +244,16 @@ class Trainer:
         self.skipped_validation: str | None = None  # why fit does not validate, when a loader was given
         self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
         self.module: TrainModule | None = None
+        """The `TrainModule` of the latest fit, validate, test or predict."""
         self.datamodule: DataModule | None = None
+        """The `DataModule` of the latest stage, or None."""
         self.optimizers: list[torch.optim.Optimizer] = []
+        """The optimizers `configure_optimizers` returned, set up by the strategy."""
         self.lr_scheduler_configs: list[SchedulerConfig] = []
         self.param_group_names: list[list[list[str]]] = []  # by optimizer, by group
         self.should_stop = False
+        """Set it to True to stop `fit`, as `EarlyStopping` does: after the current batch when set on every rank;
+        at the end of an epoch, any rank's True stops every rank."""
         self.ckpt_path: str | None = None
         self.checkpointer = Saver()  # writes checkpoints; at most one save in flight
         self.num_training_batches = 0
@@ -167,13 +263,22 @@ class Trainer:
 
     # ---- public state -------------------------------------------------------------------------------
     global_rank = property(lambda self: self.strategy.global_rank)
+    """This process's rank among all ranks (0 to `world_size - 1`)."""
     world_size = property(lambda self: self.strategy.world_size)
+    """The number of ranks (processes) over all nodes."""
     is_global_zero = property(lambda self: self.strategy.is_global_zero)
+    """Whether this process is rank 0 (the one that prints and writes single files)."""
     global_step = property(lambda self: self.state.global_step)
+    """The number of optimizer steps taken so far (over resumes too)."""
     current_epoch = property(lambda self: self.state.epoch)
+    """The epoch being trained, counted from 0."""
     callback_metrics = property(lambda self: self.metrics.callback_metrics)
+    """The latest values logged with `TrainModule.log`, by name (what `ModelCheckpoint` and `EarlyStopping`
+    monitor)."""
     progress_bar_metrics = property(lambda self: self.metrics.progress_bar_metrics)
+    """The latest values logged with `prog_bar=True`, by name."""
     log_dir = property(lambda self: self.logger.log_dir if self.logger else self.default_root_dir)
+    """The first logger's folder, or `default_root_dir` without a logger."""
 
     @property
     def logger(self) -> Logger | None:
@@ -186,6 +291,7 @@ class Trainer:
 
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The first `ModelCheckpoint` in `callbacks`, or None."""
         return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
 
     # ---- fit ----------------------------------------------------------------------------------------
@@ -197,9 +303,29 @@ class Trainer:
         ckpt_path: str | None = None,
         datamodule: DataModule | None = None,
     ) -> None:
-        """Train `module`; `ckpt_path` ("last" or a path) resumes a run; the data comes from the loaders, the
-        `datamodule`, or the module's own *_dataloader methods. Once per Trainer. A SIGTERM meanwhile ends it on
-        every rank after a checkpoint (preemption.py)."""
+        """Train `module`, validating as `val_check_interval` says.
+
+        The data comes from the given loaders, else the `datamodule`, else the module's own `train_dataloader`
+        and `val_dataloader`. A Trainer fits once. A SIGTERM during fit ends it on every rank after a checkpoint.
+        Call it on every rank.
+
+        Args:
+            module: the `TrainModule` to train.
+            train_dataloaders: the training `DataLoader` (or iterable), or a `DataModule` (Lightning's positional
+                form); `None` to take it from `datamodule` or the module.
+            val_dataloaders: the validation `DataLoader`; `None` to take it from `datamodule` or the module (no
+                validation when neither defines one).
+            ckpt_path: resume from this checkpoint (a directory or full file this project wrote), or `"last"`
+                (the newest checkpoint in the checkpoint folder; start from scratch when there is none).
+            datamodule: a `DataModule` that provides the loaders.
+
+        Raises:
+            RuntimeError: if `fit` was already called on this Trainer.
+            TypeError: if `module` is not a `TrainModule`.
+            ValueError: if no training loader is given and the module's (or datamodule's) hook returns None; if
+                `val_check_interval` is more batches than a training epoch has.
+            FloatingPointError: on a non-finite loss with `on_nonfinite="error"`.
+        """
         (train_dataloaders, ckpt_path), datamodule = datamodule_in(train_dataloaders, ckpt_path, datamodule=datamodule)
         if self._fit_called:
             raise RuntimeError(
@@ -229,19 +355,72 @@ class Trainer:
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
         datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
+        """Run one validation epoch (`validation_step` on every batch) and return the metrics logged.
+
+        Call it on every rank.
+
+        Args:
+            module: the `TrainModule`; `None` to use the one last given to this Trainer.
+            dataloaders: the `DataLoader`, or a `DataModule`; `None` to take it from `datamodule` or the module's
+                `val_dataloader`.
+            ckpt_path: load the weights of this checkpoint (or `"last"`) first.
+            datamodule: a `DataModule` that provides the loader.
+
+        Returns:
+            A list with one dict: each logged name and its epoch value.
+
+        Raises:
+            TypeError: if the module is not a `TrainModule`.
+            ValueError: if no loader is given and the hook returns None.
+        """
         return self._evaluate("validate", module, dataloaders, ckpt_path, datamodule)
 
     def test(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
         datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
+        """Run one test epoch (`test_step` on every batch) and return the metrics logged.
+
+        Call it on every rank.
+
+        Args:
+            module: the `TrainModule`; `None` to use the one last given to this Trainer.
+            dataloaders: the `DataLoader`, or a `DataModule`; `None` to take it from `datamodule` or the module's
+                `test_dataloader`.
+            ckpt_path: load the weights of this checkpoint (or `"last"`) first.
+            datamodule: a `DataModule` that provides the loader.
+
+        Returns:
+            A list with one dict: each logged name and its epoch value.
+
+        Raises:
+            TypeError: if the module is not a `TrainModule`.
+            ValueError: if no loader is given and the hook returns None.
+        """
         return self._evaluate("test", module, dataloaders, ckpt_path, datamodule)
 
     def predict(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
         datamodule: DataModule | None = None,
     ) -> list[Any] | None:
-        """Each batch's prediction, in dataset order, on rank 0 (None on the other ranks)."""
+        """Run `predict_step` on every batch and gather the predictions.
+
+        Call it on every rank.
+
+        Args:
+            module: the `TrainModule`; `None` to use the one last given to this Trainer.
+            dataloaders: the `DataLoader`, or a `DataModule`; `None` to take it from `datamodule` or the module's
+                `predict_dataloader`.
+            ckpt_path: load the weights of this checkpoint (or `"last"`) first.
+            datamodule: a `DataModule` that provides the loader.
+
+        Returns:
+            On rank 0, each batch's prediction in dataset order; `None` on the other ranks.
+
+        Raises:
+            TypeError: if the module is not a `TrainModule`.
+            ValueError: if no loader is given and the hook returns None.
+        """
         return self._evaluate("predict", module, dataloaders, ckpt_path, datamodule)
 
     def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any, datamodule: Any) -> Any:
@@ -263,10 +442,21 @@ class Trainer:
         self, module: TrainModule, batch_size: int | None = None, seq_len: int | None = None,
         train_dataloaders: Any = None,
     ) -> planning.MemoryPlan:
-        """Bytes per rank of `module` under ddp, zero1, zero2 and fsdp at this Trainer's world size, precision and
-        FSDPStrategy options, built on the meta device (the module is not changed). The batch is the module's
-        `example_input(batch_size, seq_len)`, else shaped like the train DataLoader's samples. Prints the table
-        on rank 0 and returns the plan."""
+        """Estimate the memory per rank of `module` under ddp, zero1, zero2 and fsdp.
+
+        The estimate is for this Trainer's world size, precision and FSDPStrategy options, built on the meta
+        device (the module is not changed). Prints the table on rank 0.
+
+        Args:
+            module: the `TrainModule` to plan for.
+            batch_size: batch size per rank of the example batch.
+            seq_len: sequence length of the example batch, for token models.
+            train_dataloaders: a training `DataLoader` whose samples shape the batch when the module has no
+                `example_input(batch_size, seq_len)`.
+
+        Returns:
+            The plan: bytes per rank for each strategy.
+        """
         memory = self.max_memory_per_rank or planning.local_device_memory(self)
         plan = planning.make_plan(self, module, batch_size, seq_len, train_dataloaders, memory)
         if self.is_global_zero:
@@ -311,8 +501,15 @@ class Trainer:
         return module
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() with the precision's scaling, between the on_before_backward and on_after_backward
-        hooks (in which `.grad` is never None for a parameter that got a gradient)."""
+        """Call `loss.backward()` with the precision's loss scaling, between the `on_before_backward` and
+        `on_after_backward` hooks (in which `.grad` is never None for a parameter that got a gradient).
+
+        With manual optimization (`automatic_optimization = False`), call this (or `self.manual_backward`)
+        instead of `loss.backward()`.
+
+        Args:
+            loss: the loss tensor.
+        """
         with self.timer.phase("backward"):
             scaled = self.precision.scale_loss(loss)
             self._call("on_before_backward", scaled)
@@ -321,7 +518,17 @@ class Trainer:
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
                        gradient_clip_algorithm: str | None = None) -> None:
-        """Clip the gradients of `optimizer`'s parameters (default: the Trainer's clipping settings)."""
+        """Clip the gradients of `optimizer`'s parameters (over all ranks' shards).
+
+        Args:
+            optimizer: an optimizer from `configure_optimizers`.
+            gradient_clip_val: the clipping value; `None` for the Trainer's `gradient_clip_val` (no clipping when
+                that is `None` too).
+            gradient_clip_algorithm: `"norm"` or `"value"`; `None` for the Trainer's.
+
+        Raises:
+            ValueError: for a non-positive `gradient_clip_val` or an unknown `gradient_clip_algorithm`.
+        """
         value = gradient_clip_val if gradient_clip_val is not None else self.gradient_clip_val
         algorithm = config.check_choice("gradient_clip_algorithm", gradient_clip_algorithm or
                                         self.gradient_clip_algorithm, config.CLIP_ALGORITHMS)
@@ -374,10 +581,22 @@ class Trainer:
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save_checkpoint(self, path: str | os.PathLike, full: bool = False, async_save: bool = False) -> None:
-        """Write a checkpoint directory at `path` (torch's DCP format; every rank writes its own pieces), or with
-        `full=True` one plain file that torch.load reads (rank 0 writes it). With `async_save=True` this returns
-        once the state is copied and the files are written while training goes on; one save is in flight at a
-        time, and the next save, the end of `fit` and a failure wait for it. Collective: call it on every rank."""
+        """Write a checkpoint of the module, optimizers, loop state and callbacks.
+
+        By default a checkpoint directory (torch's DCP format; every rank writes its own pieces), which any
+        strategy and world size can resume. Collective: call it on every rank.
+
+        Args:
+            path: the checkpoint directory, or with `full=True` the file.
+            full: write one plain file that `torch.load` reads instead (rank 0 gathers and writes it).
+            async_save: return once the state is copied, and write the files in the background while training
+                goes on. One save is in flight at a time; the next save, the end of `fit` and a failure wait for
+                it.
+
+        Raises:
+            ValueError: if both `full` and `async_save` are True; with `full=True`, if `path` is a directory or
+                its folder cannot be made.
+        """
         if full and async_save:
             raise ValueError("save_checkpoint: async_save=True writes a checkpoint directory in the background, "
                              "full=True one file synchronously; choose one of them")
@@ -415,6 +634,8 @@ class Trainer:
 
     @property
     def estimated_stepping_batches(self) -> int:
+        """The number of optimizer steps `fit` will take, from `max_epochs`, `max_steps`, the training batches
+        per epoch and `accumulate_grad_batches` (for a scheduler's `total_steps`)."""
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
         by_epochs = per_epoch * self.max_epochs if self.max_epochs > 0 else float("inf")
         return int(min(by_epochs, self.max_steps if self.max_steps > 0 else float("inf")))

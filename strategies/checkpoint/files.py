@@ -65,9 +65,21 @@ def remove(path: str) -> None:
 
 
 def find_last(*directories: str) -> str | None:
-    """The newest complete checkpoint (one with meta.json) under any of `directories`, by its recorded global
-    step (then by time). Staging folders never count; `X.old-*` (left by a crash while X was being replaced)
-    counts only while X is missing."""
+    """The newest complete checkpoint directory under any of `directories`, as `ckpt_path="last"` finds it.
+
+    Complete checkpoints are those with `meta.json`; the newest is the one with the highest recorded global step
+    (then the latest). Staging folders never count; `X.old-*` (left by a crash while `X` was being replaced)
+    counts only while `X` is missing.
+
+    Args:
+        *directories: folders to search (those that do not exist are skipped).
+
+    Returns:
+        The checkpoint's path, or None if there is none.
+
+    Raises:
+        CheckpointError: if a checkpoint's `meta.json` is corrupted or of another format version.
+    """
     found = []
     for directory in directories:
         entries = os.listdir(directory) if os.path.isdir(directory) else []

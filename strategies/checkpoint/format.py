@@ -51,7 +51,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 
 class CheckpointError(ValueError):
-    pass
+    """A checkpoint that cannot be read: incomplete, corrupted (a file fails its size or checksum check), of
+    another format version, or not a checkpoint. A `ValueError`."""
 
 
 def optim_key(index: int) -> str:
@@ -75,6 +76,20 @@ def unwrapped(rank: int = 0) -> Iterator[None]:
 
 # ---- meta.json ---------------------------------------------------------------------------------------------
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The description a checkpoint directory keeps in `meta.json` (format version, global step, epoch, world
+    size, the files and their checksums, ...), checked.
+
+    Args:
+        path: the checkpoint directory.
+
+    Returns:
+        The parsed `meta.json`.
+
+    Raises:
+        FileNotFoundError: if `path` is not a directory.
+        CheckpointError: if `meta.json` is missing, corrupted, changed after it was written, or of another format
+            version.
+    """
     path = os.fspath(path)
     meta_path = os.path.join(path, META_FILE)
     if not os.path.isdir(path):

@@ -50,8 +50,15 @@ def box_start(shape: tuple[int, ...], offsets: tuple[int, ...]) -> int:
 
 @dataclass
 class FlatPieces:
-    """Some flat slices of one tensor of `shape` and `dtype`: `pieces` holds (flat start, 1-D tensor of the
-    slice's elements). What a rank writes of a tensor, or the places it loads one into."""
+    """Some flat slices of one tensor: what a rank writes of a tensor in a checkpoint, or the places it loads one
+    into. Checkpoints store them as rectangular boxes of the original tensor, which any other layout reads back.
+
+    Args:
+        shape: the whole tensor's shape.
+        dtype: its dtype.
+        pieces: `(flat start, 1-D tensor of the slice's elements)` for each slice, in row-major order of the whole
+            tensor.
+    """
 
     shape: torch.Size
     dtype: torch.dtype
@@ -68,7 +75,11 @@ class FlatPieces:
         return out
 
     def view(self, offsets: tuple[int, ...]) -> torch.Tensor:
-        """The box that starts at `offsets`."""
+        """The view of the box that starts at `offsets` (one of those `boxes` gives).
+
+        Args:
+            offsets: the box's offsets in the whole tensor.
+        """
         if self._views is None:
             self._views = {tuple(o): v for o, _, v in self.boxes()}
         return self._views[tuple(offsets)]

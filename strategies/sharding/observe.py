@@ -68,13 +68,23 @@ def where(unit: str | None) -> str:
 
 
 class Watcher:
-    """Sees collectives and unit forwards while installed. Every method is a no-op here."""
+    """Sees collectives and unit forwards while installed (`install` or `watched_by`). Subclass it and override
+    the methods you need; every method is a no-op here."""
 
-    def started(self, call: Call) -> None: ...
-    def issued(self, call: Call) -> None: ...
-    def waiting(self, call: Call) -> None: ...
-    def done(self, call: Call) -> None: ...
-    def unit_forward(self, unit: str, entering: bool) -> None: ...
+    def started(self, call: Call) -> None:
+        """`call` is about to be issued."""
+
+    def issued(self, call: Call) -> None:
+        """`call` was issued."""
+
+    def waiting(self, call: Call) -> None:
+        """`call` is about to be waited for."""
+
+    def done(self, call: Call) -> None:
+        """The wait for `call` returned."""
+
+    def unit_forward(self, unit: str, entering: bool) -> None:
+        """An FSDP unit's forward starts (`entering=True`) or ends."""
 
 
 _watchers: tuple[Watcher, ...] = ()
@@ -108,23 +118,37 @@ def unit_forward(unit: str, entering: bool) -> None:
 
 
 def watching() -> bool:
+    """Whether any watcher is installed."""
     return bool(_watchers)
 
 
 def install(watcher: Watcher) -> None:
-    """Watch every collective from now on, after the watchers already installed."""
+    """Let `watcher` see every collective from now on, after the watchers already installed.
+
+    Args:
+        watcher: the watcher.
+    """
     global _watchers
     _watchers = (*_watchers, watcher)
 
 
 def remove(watcher: Watcher) -> None:
+    """Stop `watcher` from seeing collectives (nothing happens if it is not installed).
+
+    Args:
+        watcher: the watcher.
+    """
     global _watchers
     _watchers = tuple(w for w in _watchers if w is not watcher)
 
 
 @contextmanager
 def watched_by(*watchers: Watcher | None) -> Iterator[None]:
-    """Install `watchers` (None: left out) for the block."""
+    """A context in which `watchers` are installed.
+
+    Args:
+        *watchers: the watchers; `None` entries are left out.
+    """
     added = [w for w in watchers if w is not None]
     for watcher in added:
         install(watcher)

@@ -79,6 +79,13 @@ def assign_to_units(root: nn.Module, unit_names: list[str]) -> dict[str, NamedPa
 
 
 def mark_as_unit(module: nn.Module) -> nn.Module:
-    """Make `module` an fsdp unit by hand (call in configure_model)."""
+    """Make `module` an FSDP unit by hand, whatever the `auto_wrap_policy` says (call it in `configure_model`).
+
+    Args:
+        module: a submodule of the model (the model itself is always the last unit).
+
+    Returns:
+        `module`, marked.
+    """
     module._shard_unit = True
     return module

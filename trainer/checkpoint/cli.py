@@ -19,6 +19,13 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line `python -m trainer.checkpoint`: `consolidate CHECKPOINT OUT [--with-optimizer]` (see
+    `consolidate`) and `export CHECKPOINT OUT_DIR [--prefix P] [--max-shard-size 5GB] [--ema] [--trainable-only]`
+    (see `export_safetensors`).
+
+    Args:
+        argv: the arguments; `None` for `sys.argv[1:]`.
+    """
     what = " ".join(__doc__.split()).split(": ", 1)[1]  # the docstring's sentence, without the command
     parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint", description=what)
     commands = parser.add_subparsers(dest="command", required=True)

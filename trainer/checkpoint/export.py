@@ -38,8 +38,22 @@ SAFETENSORS_DTYPES = {
 
 # ---- one plain file ----------------------------------------------------------------------------------------
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer: bool = False) -> None:
-    """Write any checkpoint as one plain file that torch.load reads: the model's state dict or, with
-    `with_optimizer`, everything (what `save_checkpoint(full=True)` writes). Streamed: a batch at a time."""
+    """Write any checkpoint as one plain file that `torch.load` reads, in one process.
+
+    The file is streamed: tensors are read and written a batch at a time, so the whole model is never held in
+    memory.
+
+    Args:
+        path: the checkpoint directory or file.
+        out: the file to write.
+        with_optimizer: write everything (the same as `save_checkpoint(path, full=True)` writes) instead of only
+            the model's state dict.
+
+    Raises:
+        FileNotFoundError: if `path` is neither a file nor an existing directory.
+        CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
+            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+    """
     source = open_source(path)
     meta = read_meta_item(source)
     tied = tied_keys(meta)  # a full file holds them: tied again
@@ -83,11 +97,30 @@ def _batches(source: Source, keys: list[str]) -> Iterator[dict[str, torch.Tensor
 # ---- safetensors out -----------------------------------------------------------------------------------------
 def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "",
                        max_shard_size: int = 5 * 10**9, ema: bool = False, trainable_only: bool = False) -> list[str]:
-    """Write a checkpoint's weights in HuggingFace's layout: `model.safetensors`, or above `max_shard_size` bytes
-    `model-0000k-of-0000n.safetensors` and `model.safetensors.index.json`. Names lose `prefix` (entries without
-    it are left out); tied names are written once, under the first. With `ema`, callbacks.EMA's average in place
-    of each parameter it averages; with `trainable_only`, only the parameters that were trained (an adapter's).
-    Returns the names left out for not starting with `prefix`."""
+    """Write a checkpoint's weights as safetensors in HuggingFace's layout, in one process, a batch at a time.
+
+    The output is `model.safetensors` or, above `max_shard_size` bytes, `model-0000k-of-0000n.safetensors` files
+    and `model.safetensors.index.json`. Tied names are written once, under the first.
+
+    Args:
+        path: the checkpoint directory or file.
+        out_dir: the folder to write (made if missing).
+        prefix: only names that start with it are written, without it (e.g. `"model."` for a HuggingFace model
+            held as `self.model`).
+        max_shard_size: the most bytes per file.
+        ema: write `callbacks.EMA`'s average in place of each parameter it averages.
+        trainable_only: write only the parameters that were trained (an adapter's, say).
+
+    Returns:
+        The names left out for not starting with `prefix`.
+
+    Raises:
+        FileNotFoundError: if `path` is neither a file nor an existing directory.
+        CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
+            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+        ValueError: with `ema=True`, if the checkpoint holds no EMA weights; with `trainable_only=True`, if it
+            does not record which parameters were trainable; for a dtype safetensors does not have.
+    """
     source = open_source(path)
     meta = read_meta_item(source)
     reads = {source.paths[k][1]: read for k, read in weight_keys(source, meta, path, ema).items()
@@ -161,15 +194,30 @@ def _write_safetensors(file: str, source: Source, entries: list[tuple[str, str]]
 # ---- safetensors in ------------------------------------------------------------------------------------------
 def load_safetensors(trainer: Trainer, path: str | os.PathLike, prefix: str = "",
                      key_mapping: dict[str, str] | None = None, strict: bool = True) -> list[str]:
-    """Load weights from safetensors files in HuggingFace's layout (a folder, or one file) into the trainer's
-    model: `prefix` + a name in the files is the model's name ("model." for a HuggingFace model held as
-    `self.model`). Every rank reads only its own pieces. Call it on every rank once the model is set up (for
-    example in `on_fit_start`); every parameter must be in the files, with its shape.
+    """Load weights from safetensors files in HuggingFace's layout into the trainer's model, under any strategy.
 
-    `key_mapping` ({regular expression: replacement}, as in transformers' `from_pretrained`) turns the model's
-    names, without `prefix`, into the files' (`{r"\\.base_layer\\.": "."}` for a peft model, whose wrapped layers
-    keep the pretrained weight as `base_layer.weight`). With `strict=False` parameters the files lack keep their
-    values (new LoRA adapters, say) and their names are returned, as torch's `load_state_dict` returns them."""
+    Every rank reads only the slices that fall in its own pieces, so a model built on the meta device is never
+    materialized whole. Call it on every rank once the model is set up (for example in `on_fit_start`).
+
+    Args:
+        trainer: the Trainer whose module is set up.
+        path: a folder of safetensors files, or the only safetensors file of its folder.
+        prefix: `prefix` + a name in the files is the model's name (`"model."` for a HuggingFace model held as
+            `self.model`); the model's entries without it are not loaded.
+        key_mapping: `{regular expression: replacement}`, as in transformers' `from_pretrained`, turning the
+            model's names (without `prefix`) into the files' (`{r"\\.base_layer\\.": "."}` for a peft model, whose
+            wrapped layers keep the pretrained weight as `base_layer.weight`).
+        strict: every parameter must be in the files. With `False` the parameters the files lack keep their
+            values (new LoRA adapters, say).
+
+    Returns:
+        The names of the parameters the files lack (empty with `strict=True`), as torch's `load_state_dict`
+        returns them.
+
+    Raises:
+        ValueError: if `path` is not a folder of safetensors files or the only one of its folder; if a
+            parameter's shape differs from the file's, or (with `strict=True`) a parameter is missing.
+    """
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     folder = _safetensors_folder(os.fspath(path))

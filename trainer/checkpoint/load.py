@@ -60,10 +60,31 @@ def check_compatible(
 
 # ---- in one process ----------------------------------------------------------------------------------------
 def load_full_state_dict(path: str | os.PathLike, ema: bool = False) -> dict[str, torch.Tensor]:
-    """The plain model state dict (original names and shapes, tied names sharing their tensor) from any
-    checkpoint this project writes (a directory, a full file or a consolidated file), in one process with no
-    process group. With `ema`, the moving average of callbacks.EMA in place of each parameter it averages (the
-    frozen ones and the buffers keep their trained values)."""
+    """The plain model state dict from any checkpoint this project writes, in one process with no process group.
+
+    Works for a checkpoint directory written under any strategy and world size, a full file
+    (`save_checkpoint(path, full=True)`) or a consolidated file. The names and shapes are the original model's;
+    tied names share their tensor. Tensors are on the CPU.
+
+    Args:
+        path: the checkpoint directory or file.
+        ema: read the moving average of `callbacks.EMA` in place of each parameter it averages (the frozen
+            parameters and the buffers keep their trained values).
+
+    Returns:
+        The state dict, in the model's `state_dict()` order, for `model.load_state_dict`.
+
+    Raises:
+        FileNotFoundError: if `path` is neither a file nor an existing directory.
+        CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
+            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+        ValueError: with `ema=True`, if the checkpoint holds no EMA weights.
+
+    Example:
+        ```python
+        model.load_state_dict(load_full_state_dict("runs/version_0/checkpoints/last"))
+        ```
+    """
     source = open_source(path)
     meta = read_meta_item(source)
     keys = weight_keys(source, meta, path, ema)
@@ -87,9 +108,23 @@ def weight_keys(source: Source, meta: dict[str, Any], path: Any, ema: bool = Fal
 
 
 def load_checkpoint(path: str | os.PathLike, weights_only: bool = False) -> dict[str, Any]:
-    """A whole checkpoint in one process, as the nested dict a full file holds: {"model" (tied names too),
-    "optim", "trainer", "rng", "meta"} (what the checkpoint has of them; with `weights_only`, "model" and
-    "meta"). Every item is checked as it is read."""
+    """A whole checkpoint in one process, as the nested dict a full file holds. Every item is checked as it is
+    read.
+
+    Args:
+        path: the checkpoint directory or file.
+        weights_only: read only `"model"` and `"meta"`.
+
+    Returns:
+        A dict with what the checkpoint has of `"model"` (the state dict, tied names too), `"optim"` (and
+        `"optim_1"`, ... for further optimizers), `"trainer"`, `"rng"` and `"meta"`; callbacks' sharded state
+        (e.g. `"ema"`) too.
+
+    Raises:
+        FileNotFoundError: if `path` is neither a file nor an existing directory.
+        CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
+            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+    """
     source = open_source(path)
     meta = read_meta_item(source)
     tied = tied_keys(meta)  # a full file holds them: tied again below
@@ -104,7 +139,21 @@ def tied_keys(meta: dict[str, Any]) -> set[str]:
 
 
 def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    """Rank 0's trainer state of a checkpoint (epoch, step, schedulers, callbacks, ...), in one process."""
+    """The trainer state of a checkpoint (epoch, step, schedulers, callbacks' state, hyperparameters, ...), in
+    one process.
+
+    Args:
+        path: the checkpoint directory or full file.
+
+    Returns:
+        The trainer state dict rank 0 saved.
+
+    Raises:
+        FileNotFoundError: if `path` is neither a file nor an existing directory.
+        CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
+            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+        KeyError: if the checkpoint holds weights only.
+    """
     return open_source(path).read({TRAINER: None})[TRAINER]
 
 

@@ -32,7 +32,8 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
 
 
 class Saver:
-    """A trainer's checkpoint writer: at most one save in flight."""
+    """A trainer's checkpoint writer, with at most one save in flight. `Trainer.save_checkpoint` and
+    `ModelCheckpoint` use the Trainer's own (`trainer.checkpointer`); you rarely need another."""
 
     def __init__(self) -> None:
         self.writer = CheckpointWriter()
@@ -45,16 +46,33 @@ class Saver:
         links: list[str] = (),
         on_done: Any = None,
     ) -> None:
-        """Write a checkpoint of `trainer` at `path` (collective: every rank calls it); also put it at each of
-        `links` (hard links), then call `on_done` on rank 0. With `async_save` this returns once the state is
-        copied; the files are written in the background."""
+        """Write a checkpoint directory of `trainer` at `path`, after the save in flight (if any) is complete.
+        Collective: every rank calls it.
+
+        Args:
+            trainer: the Trainer to save.
+            path: the checkpoint directory, replaced only once the new one is complete.
+            async_save: return once the state is copied; the files are written in the background.
+            links: further paths at which to put the same checkpoint (hard links to its files).
+            on_done: called on rank 0 once the checkpoint is complete.
+        """
         self.writer.wait()
         summary = {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": trainer.world_size}
         self.writer.save(checkpoint_state(trainer), path, summary, async_save, links, on_done)
 
     def save_full(self, trainer: Trainer, path: str) -> None:
-        """One plain file at `path`, written by rank 0: every rank saves a checkpoint directory beside it, which
-        rank 0 then consolidates (a batch of tensors at a time) and removes. Collective."""
+        """Write one plain file at `path` that `torch.load` reads. Collective.
+
+        Every rank saves a checkpoint directory beside it, which rank 0 then consolidates (a batch of tensors at a
+        time) and removes.
+
+        Args:
+            trainer: the Trainer to save.
+            path: the file.
+
+        Raises:
+            RuntimeError: on the other ranks, if rank 0 failed to write the file (rank 0 raises its own error).
+        """
         from .export import consolidate
 
         strategy = trainer.strategy
@@ -74,5 +92,9 @@ class Saver:
             raise RuntimeError(message)
 
     def wait(self, raise_errors: bool = True) -> None:
-        """Wait for the save in flight, if any; its error is raised (or, with `raise_errors=False`, logged)."""
+        """Wait for the save in flight, if any.
+
+        Args:
+            raise_errors: raise the save's error; `False` logs it instead.
+        """
         self.writer.wait(raise_errors)

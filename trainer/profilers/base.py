@@ -10,8 +10,14 @@ if TYPE_CHECKING:
 
 
 class Profiler:
-    """Told when fit starts, after every optimizer step, and when fit ends. `dirpath` and `filename` say where its
-    report goes (Lightning's arguments): by default the run's log directory; without a filename it is printed."""
+    """The base of profilers: told when fit starts, after every optimizer step, and when fit ends, on every rank.
+
+    Subclass it for a profiler of your own and pass it as `Trainer(profiler=...)`.
+
+    Args:
+        dirpath: the folder of the report (and traces); `None` for the run's log directory.
+        filename: the report goes to `<dirpath>/fit-<filename>.txt`; `None` prints it on rank 0.
+    """
 
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None) -> None:
         self.dirpath = None if dirpath is None else os.fspath(dirpath)
@@ -19,18 +25,31 @@ class Profiler:
         self._summary = ""
 
     def setup(self, trainer: Trainer) -> None:
-        """fit starts (after the strategy is set up)."""
+        """Called when fit starts, after the strategy is set up; the default resolves `dirpath`.
+
+        Args:
+            trainer: the Trainer.
+        """
         if self.dirpath is None:
             self.dirpath = trainer.log_dir or trainer.default_root_dir
 
     def step(self, trainer: Trainer) -> None:
-        """An optimizer step ended."""
+        """Called after each optimizer step.
+
+        Args:
+            trainer: the Trainer.
+        """
 
     def teardown(self, trainer: Trainer, success: bool) -> None:
-        """fit ended; with `success` on every rank, so a report may gather from all of them."""
+        """Called when fit ends; with `success` on every rank alike, so a report may gather from all of them.
+
+        Args:
+            trainer: the Trainer.
+            success: whether fit ended without an error.
+        """
 
     def summary(self) -> str:
-        """The last report, as text."""
+        """The last report, as text (`""` before one was made)."""
         return self._summary
 
     def _report(self, trainer: Trainer, text: str) -> None:

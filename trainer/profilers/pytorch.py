@@ -35,11 +35,34 @@ def default_schedule() -> Any:
 
 
 class PyTorchProfiler(Profiler):
+    """`torch.profiler` over the optimizer steps its schedule picks, on every rank (Lightning's name;
+    `Trainer(profiler="pytorch")`).
+
+    The engine's collectives, FSDP units' forwards and the loop's phases appear as named ranges
+    (`shardtrain/...`). Traces go to `dirpath` as `rank<r>.<time>.pt.trace.json` (`<filename>-rank<r>...` with a
+    filename), which TensorBoard's PyTorch profiler plugin, Perfetto or chrome://tracing open. At the end of fit,
+    the table of `key_averages()` is the report.
+
+    Args:
+        dirpath: the folder of the report (and traces); `None` for the run's log directory.
+        filename: the report goes to `<dirpath>/fit-<filename>.txt`; `None` prints it on rank 0.
+        group_by_input_shapes: group the table's rows by input shapes too.
+        export_to_chrome: write a chrome trace per rank (unless `on_trace_ready` is given).
+        row_limit: rows of the table.
+        sort_by_key: the table's sort column; `None` for `"cuda_time_total"` with CUDA events, else
+            `"self_cpu_time_total"`.
+        record_module_names: name the FSDP units' forward ranges.
+        **profiler_kwargs: keyword arguments for `torch.profiler.profile` (`schedule`, `activities`,
+            `record_shapes`, `profile_memory`, `with_stack`, ...). The default schedule skips one step, warms up
+            one and records three, once.
+
+    Raises:
+        ValueError: for `emit_nvtx=True` (run under nsys instead).
+    """
+
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
                  group_by_input_shapes: bool = False, export_to_chrome: bool = True, row_limit: int = 20,
                  sort_by_key: str | None = None, record_module_names: bool = True, **profiler_kwargs: Any) -> None:
-        """`profiler_kwargs` go to `torch.profiler.profile` (`schedule`, `activities`, `record_shapes`,
-        `profile_memory`, `with_stack`, ...). `record_module_names`: the fsdp units' forward ranges."""
         super().__init__(dirpath, filename)
         if profiler_kwargs.pop("emit_nvtx", False):
             raise ValueError("PyTorchProfiler(emit_nvtx=True) is not supported; run under nsys with the default")

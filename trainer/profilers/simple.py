@@ -18,9 +18,20 @@ HEADER = ("Action", "Calls", "Mean (ms)", "Total (s)", "% of fit", "slowest rank
 
 
 class SimpleProfiler(Profiler):
+    """At the end of fit, a table of where the time went (Lightning's name; `Trainer(profiler="simple")`).
+
+    The figures come from the step timer that measures every fit: per phase (forward, backward, optimizer,
+    validation) and, per collective kind and unit, the time in flight and the exposed part; mean and total on
+    this rank, and the slowest rank of each row (all ranks' figures are gathered).
+
+    Args:
+        dirpath: the folder of the report (and traces); `None` for the run's log directory.
+        filename: the report goes to `<dirpath>/fit-<filename>.txt`; `None` prints it on rank 0.
+        extended: a row per unit under each collective kind (Lightning's argument: more detail).
+    """
+
     def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
                  extended: bool = True) -> None:
-        """`extended`: a row per unit under each collective kind (Lightning's argument: more detail)."""
         super().__init__(dirpath, filename)
         self.extended = extended
 
