@@ -112,10 +112,16 @@ def test_the_examples_of_a_page_run(path: Path, tmp_path: Path):
         (tmp_path / "page.py").write_text(script)
         done = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
-        assert done.returncode == 0, f"{path.name}'s python blocks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert done.returncode == 0, f"{path.name}'s blocks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     for block in (b for b in page.blocks if b.mark == "run"):
         for command in (c for c in block.code.replace("\\\n", " ").splitlines() if c.strip()):
             words = shlex.split(command)
             words = [sys.executable if w in ("python", "python3", ".venv/bin/python") else _in_repo(w) for w in words]
             done = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, f"{where(page, block)}: {command}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+
+
+def test_the_readmes_links_lead_to_files():
+    """README.md is read on GitHub, outside the site: its relative links must name files that exist."""
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text()):
+        assert (ROOT / target).is_file(), f"README.md links to {target}, which is not there"
