@@ -83,7 +83,7 @@ class FSDPStrategy(Strategy):
         super().__init__(compile, compile_options)
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
-        self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing)
+        self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing, "activation_checkpointing")
         for name, value in [("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload),
                             ("activation_offload", activation_offload)]:
             if not isinstance(value, bool):

@@ -36,7 +36,9 @@ def min_params_policy(min_num_params: int) -> WrapPolicy:
     return lambda module, name: is_unit(module)
 
 
-def resolve_wrap_policy(policy: Any) -> WrapPolicy | None:
+def resolve_wrap_policy(policy: Any, argument: str = "auto_wrap_policy") -> WrapPolicy | None:
+    """A wrap policy from its user-facing forms; `argument` names the argument in the error (activation_checkpointing
+    takes the same forms)."""
     if policy is None:
         return None
     if isinstance(policy, (set, frozenset, list, tuple)) and all(isinstance(c, type) for c in policy):
@@ -46,6 +48,7 @@ def resolve_wrap_policy(policy: Any) -> WrapPolicy | None:
     if callable(policy) and not isinstance(policy, type):
         return policy
     raise TypeError(
-        "FSDPStrategy: auto_wrap_policy must be None, a set of nn.Module classes (each instance becomes a unit), "
+        f"FSDPStrategy: {argument} must be None, a set of nn.Module classes (each instance "
+        f"{'becomes a unit' if argument == 'auto_wrap_policy' else 'is chosen'}), "
         f"a positive int (minimum parameters per unit) or a callable (module, name) -> bool; got {policy!r}"
     )

@@ -407,6 +407,13 @@ def test_a_corrupted_or_truncated_file_is_named_and_refused(saved, tmp_path):
         ckpt_io.load_full_state_dict(flipped)
 
 
+def test_the_trainer_state_of_a_weights_only_file_is_refused_by_name(tmp_path):
+    weights = str(tmp_path / "weights.pt")
+    torch.save(nn.Linear(2, 2).state_dict(), weights)  # a plain state dict: what consolidate writes
+    with pytest.raises(ckpt_io.CheckpointError, match=r"weights\.pt' holds weights only: there is no trainer state"):
+        ckpt_io.load_trainer_state(weights)
+
+
 # -- checked against the model before a resume --------------------------------------------------------------
 def test_a_checkpoint_of_another_model_lists_every_difference_at_once(saved, tmp_path):
     root, _ = saved

@@ -102,14 +102,27 @@ RUNNABLE = [p for p in PAGES if any(b.mark is None and b.language == "python" or
                                     for b in parse(p).blocks)]
 
 
+def run_page_script(script: str, workdir: str) -> None:
+    """A page's script as `python page.py` runs it in `workdir`, here on a rank of the test pool: a `Trainer(devices=2)`
+    in it finds the pool's process group, as the rank that `python page.py` starts would find its own."""
+    before = os.getcwd()
+    os.chdir(workdir)
+    try:
+        exec(compile(script, os.path.join(workdir, "page.py"), "exec"), {"__name__": "__main__"})
+    finally:
+        os.chdir(before)
+
+
 @pytest.mark.parametrize("path", RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
-def test_the_examples_of_a_page_run(path: Path, tmp_path: Path):
+def test_the_examples_of_a_page_run(path: Path, tmp_path: Path, rank_pool):
     page = parse(path)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     script = page.setup + "".join(f"\n# {where(page, b)}\n{b.code}\n" for b in page.blocks
                                   if b.language == "python" and b.mark is None)
-    if script.strip():
-        (tmp_path / "page.py").write_text(script)
+    (tmp_path / "page.py").write_text(script)
+    if "devices=2" in script:  # two ranks: the test ranks (started once) rather than two new interpreters
+        rank_pool(2).run(run_page_script, script, str(tmp_path))
+    elif script.strip():
         done = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, f"{path.name}'s blocks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

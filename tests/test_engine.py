@@ -277,8 +277,10 @@ def test_wrap_policies_choose_units(as_on_many_ranks):
     assert set(unit_names(new_model(), 83)) == {"blocks", ""}
     assert set(unit_names(new_model(), lambda module, name: name == "blocks.1")) == {"blocks.1", ""}
     assert set(unit_names(new_model(), None)) == {""}
-    with pytest.raises(TypeError, match="auto_wrap_policy"):
+    with pytest.raises(TypeError, match="auto_wrap_policy must be"):
         FSDPStrategy(auto_wrap_policy="blocks")
+    with pytest.raises(TypeError, match="activation_checkpointing must be"):  # its own name, not the wrap policy's
+        FSDPStrategy(activation_checkpointing="blocks")
 
 
 def test_fsdp_on_one_rank_keeps_its_parameters_in_place_unless_units_are_needed(monkeypatch):

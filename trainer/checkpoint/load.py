@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strategies.checkpoint import model_state
-from strategies.checkpoint.format import EMA, META, MODEL, RNG, TRAINER, optim_key
+from strategies.checkpoint.format import EMA, META, MODEL, RNG, TRAINER, CheckpointError, optim_key
 from strategies.checkpoint.model_state import read_meta_item
 from strategies.checkpoint.source import Source, open_source
 
@@ -152,9 +152,13 @@ def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError: if `path` is neither a file nor an existing directory.
         CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
             of another format version, or a file that holds neither a state dict nor a full checkpoint.
-        KeyError: if the checkpoint holds weights only.
+            Also if it holds weights only (a plain state dict), with no trainer state to read.
     """
-    return open_source(path).read({TRAINER: None})[TRAINER]
+    source = open_source(path)
+    if not model_state.object_keys(source, {TRAINER}):
+        raise CheckpointError(f"{os.fspath(path)!r} holds weights only: there is no trainer state to read (a "
+                              "checkpoint directory or trainer.save_checkpoint(path, full=True) has one)")
+    return source.read({TRAINER: None})[TRAINER]
 
 
 def _empty(meta_tensor: torch.Tensor) -> torch.Tensor:
