@@ -1,10 +1,17 @@
 """Shared fixtures: `rank_pool(world_size)` is the session's pool of real ranks on gloo (tests/ranks.py)."""
 
+import signal
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.ranks import RankPool
+
+# Some tests send SIGINT as Ctrl-C would. A test run started as a background job of a script inherits SIGINT
+# ignored, and so would every process it starts (Python then installs no KeyboardInterrupt handler): give the
+# processes the tests start the disposition they have when started from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -205,6 +206,7 @@ class _Supervisor:
         self.children = children
         self._lock = threading.Lock()
         self._stopped = False
+        self._main_failing = False  # rank 0's own error is being reported: its excepthook stops the children
 
     def start(self) -> None:
         threading.Thread(target=self._watch, name="launcher-watchdog", daemon=True).start()
@@ -212,6 +214,7 @@ class _Supervisor:
         previous_hook = sys.excepthook
 
         def excepthook(*exc_info) -> None:
+            self._main_failing = True
             previous_hook(*exc_info)
             # rank 0 often raises because a peer died under it: name that rank as the cause
             failed = self._failed_children(_CAUSE_WAIT_S)
@@ -243,12 +246,15 @@ class _Supervisor:
             time.sleep(0.02)
 
     def _fail(self, rank: int, code: int) -> None:
-        if self._stopped:
-            return  # the codes of children we stopped ourselves are not news
-        _log(f"rank {rank} {_exit_reason(code)}; stopping all ranks")
+        """A child failed while rank 0 was not failing itself: say so, stop the others, end rank 0 now."""
+        if self._stopped or self._main_failing:
+            return  # the codes of children we stopped ourselves are not news; rank 0's excepthook reports its own
+        # The process's real stderr: while an exception is being reported, torch's excepthook has swapped
+        # sys.stderr for a buffer that os._exit would discard (the run would end with code 1 and no message).
+        _log(f"rank {rank} {_exit_reason(code)}; stopping all ranks", sys.__stderr__)
         self.stop()
         sys.stdout.flush()
-        sys.stderr.flush()
+        sys.__stderr__.flush()
         os._exit(1)
 
     def _watch(self) -> None:
@@ -316,8 +322,8 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def _log(message: str) -> None:
-    print(f"[launcher] {message}", file=sys.stderr, flush=True)
+def _log(message: str, stream: TextIO | None = None) -> None:
+    print(f"[launcher] {message}", file=stream or sys.stderr, flush=True)
 
 
 if _PARENT_PID_VAR in os.environ:
