@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from callbacks.base import Callback
 
@@ -68,7 +67,7 @@ class ThroughputMonitor(Callback):
         self.length_fn = length_fn
         self.available_flops = available_flops
         self.flops_per_batch: int | None = None
-        self._counter: FlopCounterMode | None = None
+        self._counter: Any = None  # a torch.utils.flop_counter.FlopCounterMode while the first batch runs
         self._logged_at = 0  # the global step last logged
         self._reset_window()
 
@@ -79,6 +78,8 @@ class ThroughputMonitor(Callback):
         if self._start is None:
             self._start = time.perf_counter()
         if self.flops_per_batch is None and self._counter is None:
+            from torch.utils.flop_counter import FlopCounterMode  # here: it imports triton, ~0.4 s per process
+
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
 
