@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -113,6 +114,20 @@ def run_page_script(script: str, workdir: str) -> None:
         os.chdir(before)
 
 
+def run_module(module: str, argv: list[str], workdir: Path) -> None:
+    """`python -m module *argv` in `workdir`, run in this process as runpy runs it for `-m`."""
+    before_argv, before_cwd = sys.argv, os.getcwd()
+    sys.argv = [module, *argv]
+    os.chdir(workdir)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exit:
+        assert exit.code in (None, 0), f"python -m {module} {shlex.join(argv)} exited with {exit.code}"
+    finally:
+        sys.argv = before_argv
+        os.chdir(before_cwd)
+
+
 @pytest.mark.parametrize("path", RUNNABLE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_examples_of_a_page_run(path: Path, tmp_path: Path, rank_pool):
     page = parse(path)
@@ -129,6 +144,9 @@ def test_the_examples_of_a_page_run(path: Path, tmp_path: Path, rank_pool):
     for block in (b for b in page.blocks if b.mark == "run"):
         for command in (c for c in block.code.replace("\\\n", " ").splitlines() if c.strip()):
             words = shlex.split(command)
+            if words[0] in ("python", "python3") and words[1] == "-m":  # in this process: no interpreter to start
+                run_module(words[2], words[3:], tmp_path)
+                continue
             words = [sys.executable if w in ("python", "python3", ".venv/bin/python") else _in_repo(w) for w in words]
             done = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, f"{where(page, block)}: {command}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"

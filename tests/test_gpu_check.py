@@ -27,7 +27,7 @@ def run_check(*args: str, timeout: int) -> tuple[int, str]:
 def test_the_gpu_check_runs_on_cpu_and_every_check_holds():
     """Parts that cover the engine on both one-rank paths, checkpoints and the trace reader, at tiny sizes."""
     code, out = run_check("--device", "cpu", "--tiny", "--parts", "strategies_alone,checkpoint,streams",
-                          timeout=300)
+                          "--jobs", "2", timeout=300)
     holding = re.search(r"gpu: (\d+)/(\d+) checks hold", out)
     assert holding is not None, out[-3000:]
     assert holding.group(1) == holding.group(2) == "14" and code == 0, out[-3000:]
