@@ -104,8 +104,9 @@ RUNNABLE = [p for p in PAGES if any(b.mark is None and b.language == "python" or
 
 
 def run_page_script(script: str, workdir: str) -> None:
-    """A page's script as `python page.py` runs it in `workdir`, here on a rank of the test pool: a `Trainer(devices=2)`
-    in it finds the pool's process group, as the rank that `python page.py` starts would find its own."""
+    """A page's script as `python page.py` runs it in `workdir`, in this process or on a rank of the test pool: a
+    `Trainer(devices=2)` in it finds the pool's process group, as the rank that `python page.py` starts would find
+    its own."""
     before = os.getcwd()
     os.chdir(workdir)
     try:
@@ -137,7 +138,9 @@ def test_the_examples_of_a_page_run(path: Path, tmp_path: Path, rank_pool):
     (tmp_path / "page.py").write_text(script)
     if "devices=2" in script:  # two ranks: the test ranks (started once) rather than two new interpreters
         rank_pool(2).run(run_page_script, script, str(tmp_path))
-    elif script.strip():
+    elif script.strip() and "init_process_group" not in script and "os.environ" not in script:
+        run_page_script(script, str(tmp_path))  # one process: this one, as the suite's one-rank tests run
+    elif script.strip():  # it sets up torch.distributed or the environment itself: a process of its own
         done = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, f"{path.name}'s blocks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
