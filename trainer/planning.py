@@ -35,9 +35,11 @@ def _sample(loader: Any) -> Any:
 
 
 def make_plan(trainer: Trainer, module: Any, batch_size: int | None = None, seq_len: int | None = None,
-              train_dataloaders: Any = None, device_memory: int | None = None) -> MemoryPlan:
+              train_dataloaders: Any = None, device_memory: int | None = None, forecast: bool = True,
+              hardware: Any = None) -> MemoryPlan:
     """The plan at the Trainer's world size and precision, with the options its strategy gives the plan. The batch
-    is the module's example_input, else shaped like the train DataLoader's samples."""
+    is the module's example_input, else shaped like the train DataLoader's samples. `forecast` adds each
+    strategy's step time on `hardware` (default: this machine's GPU kind, else cpu)."""
     loader, sample = train_dataloaders, None
     if not callable(getattr(module, "example_input", None)):
         loader = loader if loader is not None else module.train_dataloader()
@@ -46,7 +48,7 @@ def make_plan(trainer: Trainer, module: Any, batch_size: int | None = None, seq_
     options = trainer.strategy.plan_options()
     return plan_memory(module, world_size=trainer.world_size, nodes=trainer.num_nodes, batch_size=batch_size,
                        seq_len=seq_len, precision=trainer.precision.precision, device_memory=device_memory,
-                       sample=sample, **options)
+                       sample=sample, forecast=forecast, hardware=hardware, **options)
 
 
 def local_device_memory(trainer: Trainer) -> int:
@@ -70,7 +72,7 @@ def choose_strategy(trainer: Trainer, module: Any, train_dataloaders: Any) -> St
         free = min(trainer.strategy.all_gather_object(local_device_memory(trainer)))
         budget = int(free * AUTO_MARGIN)
         why = f"{AUTO_MARGIN:.0%} of the {format_bytes(free)} free on the fullest GPU"
-    plan = make_plan(trainer, module, train_dataloaders=train_dataloaders)
+    plan = make_plan(trainer, module, train_dataloaders=train_dataloaders, forecast=False)
     try:
         name = plan.choose(budget)
     except ValueError as error:

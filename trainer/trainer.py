@@ -440,9 +440,9 @@ class Trainer:
     # ---- memory plan --------------------------------------------------------------------------------
     def plan(
         self, module: TrainModule, batch_size: int | None = None, seq_len: int | None = None,
-        train_dataloaders: Any = None,
+        train_dataloaders: Any = None, hardware: Any = None,
     ) -> planning.MemoryPlan:
-        """Estimate the memory per rank of `module` under ddp, zero1, zero2 and fsdp.
+        """Estimate the memory per rank of `module` under ddp, zero1, zero2 and fsdp, and each one's step time.
 
         The estimate is for this Trainer's world size, precision and FSDPStrategy options, built on the meta
         device (the module is not changed). Prints the table on rank 0.
@@ -453,12 +453,16 @@ class Trainer:
             seq_len: sequence length of the example batch, for token models.
             train_dataloaders: a training `DataLoader` whose samples shape the batch when the module has no
                 `example_input(batch_size, seq_len)`.
+            hardware: the step-time forecast's profile: a name of `strategies.plan.HARDWARE`, a `Hardware`, or a
+                JSON file `python -m strategies.plan ... --measure --save-hardware FILE` wrote (default: this
+                machine's GPU kind, else "cpu").
 
         Returns:
-            The plan: bytes per rank for each strategy.
+            The plan: bytes per rank for each strategy, and `plan.forecasts[name]` (step_s,
+            tokens_per_s_per_rank, mfu, exposed_comm_s).
         """
         memory = self.max_memory_per_rank or planning.local_device_memory(self)
-        plan = planning.make_plan(self, module, batch_size, seq_len, train_dataloaders, memory)
+        plan = planning.make_plan(self, module, batch_size, seq_len, train_dataloaders, memory, hardware=hardware)
         if self.is_global_zero:
             print(plan.table(), flush=True)
         return plan

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from .activations import AUTOCAST
+from .compute import AC_MODES
+from .hardware import HARDWARE, get_hardware
 from .model_state import OPTIMIZER_STATES
 from .planner import plan_memory
 from .sizes import device_memory_per_rank, parse_bytes
@@ -48,7 +50,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    "e.g. Block; transformer blocks cannot be guessed, so without it the whole model is one unit")
     p.add_argument("--activation-checkpointing", metavar="CLASSNAME[,CLASSNAME]",
                    help="module classes whose activations are recomputed in backward (they keep only their inputs)")
-    p.add_argument("--json", action="store_true", help="print bytes per rank by strategy as JSON")
+    p.add_argument("--ac-mode", choices=AC_MODES, default="full", help="full: checkpointed modules recompute "
+                   "everything (as the engine does); selective: time torchtitan's per-op policy (matmul outputs "
+                   "saved every other one, attention outputs saved); its memory is planned without checkpointing")
+    p.add_argument("--hardware", metavar="NAME|FILE", help=f"the step-time forecast's profile: one of "
+                   f"{sorted(HARDWARE)} or a JSON file --save-hardware wrote (default: this machine's GPU kind, "
+                   "else cpu)")
+    p.add_argument("--measure", action="store_true", help="calibrate the profile on this machine first: matmul "
+                   "and memory rates, one step of the model, and a collectives sweep over real ranks; prints what "
+                   "it measured")
+    p.add_argument("--save-hardware", metavar="FILE", help="with --measure: write the measured profile here")
+    p.add_argument("--json", action="store_true", help="print bytes per rank and the forecast by strategy as JSON")
     return p, p.parse_args(argv)
 
 
@@ -99,6 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         memory, where = None, ""
     try:
+        hardware = get_hardware(args.hardware) if args.hardware else None
+        if args.measure:
+            from .measure import measure_hardware  # starts ranks: only when asked
+
+            hardware = measure_hardware(model, args, hardware)
+        elif args.save_hardware:
+            parser.error("--save-hardware: give --measure too (it saves what was measured)")
         plan = plan_memory(
             model, world_size=args.world_size, nodes=args.nodes, hybrid_shard=args.hybrid_shard,
             batch_size=args.batch_size, seq_len=args.seq_len,
@@ -107,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             wrap_policy=class_policy(parser, model, "--wrap", args.wrap),
             activation_checkpointing=class_policy(parser, model, "--activation-checkpointing",
                                                   args.activation_checkpointing),
-            device_memory=memory,
+            device_memory=memory, hardware=hardware, checkpoint_mode=args.ac_mode,
         )
     except ValueError as error:
         parser.error(str(error))

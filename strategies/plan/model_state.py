@@ -92,12 +92,14 @@ class PlannedUnit:
 def plan_units(
     model: nn.Module, spec: ShardingSpec, world_size: int, wrap_policy: Any = None,
     param_dtype: torch.dtype | None = None,
+    full_precision_norms: bool = True,
 ) -> list[PlannedUnit]:
-    """The units of `model` under `spec`, as ShardingEngine._build_units groups them, laid out for `world_size`."""
+    """The units of `model` under `spec`, as ShardingEngine._build_units groups them, laid out for `world_size`
+    (`full_precision_norms=False`: as torch's fully_shard would, normalization layers cast like the rest)."""
     norm_units: set[str] = set()
     if spec.shard_parameters:
         chosen = [name for name, _ in policy_modules(model, resolve_wrap_policy(wrap_policy))]
-        if param_dtype is not None:  # the engine keeps normalization layers in full precision, as units
+        if param_dtype is not None and full_precision_norms:  # the engine keeps norms in full precision, as units
             norm_units = full_precision_norm_units(model, set(chosen))
         groups = list(assign_to_units(model, chosen + sorted(norm_units)).items())
     else:

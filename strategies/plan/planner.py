@@ -11,12 +11,17 @@ import torch
 from torch import nn
 
 from ..registry import STRATEGIES
+from ..sharding.units import gradient_buckets
 from ..wrap import resolve_wrap_policy
 from .activations import AUTOCAST, TRUE_DTYPES, activation_bytes
-from .model_state import check_optimizer, model_state_bytes, optimizer_kind
+from .compute import AC_MODES, compute_cost
+from .forecast import StepForecast, Topology, forecast_step
+from .hardware import Hardware, default_hardware, get_hardware
+from .model_state import OPTIMIZER_STATES, check_optimizer, model_state_bytes, optimizer_kind, plan_units
 from .report import STRATEGY_ORDER, MemoryPlan
 from .sizes import format_bytes, parse_bytes
 
+SCHEDULES = {"engine": 1, "fully_shard": 2}  # communication streams of each
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
@@ -94,6 +99,10 @@ def plan_memory(
     device_memory: int | str | None = None,
     sample: Any = None,
     hybrid_shard: int | None = None,
+    hardware: str | Hardware | None = None,
+    checkpoint_mode: str = "full",
+    schedule: str = "engine",
+    forecast: bool = True,
 ) -> MemoryPlan:
     """Bytes per rank for every strategy. `model` (an nn.Module or TrainModule, best built on the meta device) is
     not changed. `batch_size` and `seq_len` are per rank (seq_len defaults to the model config's); `param_dtype`
@@ -101,8 +110,20 @@ def plan_memory(
     configure_optimizers returns, else adamw); `wrap_policy` and `activation_checkpointing` take FSDPStrategy's
     forms (no wrap policy: the whole model is one fsdp unit); `sample` is one sample of the training data, whose
     shapes make the batch when the module has no example_input. `hybrid_shard` (default: the ranks of one node
-    when there are several nodes) adds hsdp: fsdp sharded within groups of that many ranks."""
+    when there are several nodes) adds hsdp: fsdp sharded within groups of that many ranks.
+
+    Each strategy also gets a step-time forecast on `hardware` (a HARDWARE name, a Hardware, or a file --measure
+    wrote; default: this machine's GPU kind, else "cpu"): `plan.forecasts[name]`. `checkpoint_mode` "selective"
+    times activation checkpointing as torchtitan's per-op policy (memory is then planned without checkpointing,
+    an upper bound). `schedule` "fully_shard" times torch's FSDP2 schedule instead of this engine's (for
+    comparing the forecast with published fully_shard runs): reductions on a stream of their own, normalization
+    layers inside their block's unit. `forecast=False` plans memory only."""
     _check(world_size, nodes, batch_size, seq_len, precision)
+    if checkpoint_mode not in AC_MODES:
+        raise ValueError(f"checkpoint_mode={checkpoint_mode!r} is not valid; choose one of {list(AC_MODES)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not valid; choose one of {list(SCHEDULES)}")
+    hardware = get_hardware(hardware) if hardware is not None else default_hardware()
     group = hybrid_shard if hybrid_shard is not None else (world_size // nodes if nodes > 1 else None)
     if group is not None and (not isinstance(group, int) or group < 1 or world_size % group):
         raise ValueError(f"hybrid_shard={group!r} must divide world_size={world_size}")
@@ -122,8 +143,12 @@ def plan_memory(
     rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer)
             for name, ranks in shard_over.items()}
-    activations = activation_bytes(meta, batch_size, seq_len, precision, param_dtype,
-                                   resolve_wrap_policy(activation_checkpointing), sample)
+    checkpointed = resolve_wrap_policy(activation_checkpointing)
+    forecasts = {} if not forecast else _forecasts(
+        model, meta, strategies, shard_over, hardware, world_size, nodes, batch_size, seq_len, precision,
+        param_dtype, reduce_dtype, optimizer, wrap_policy, checkpointed, checkpoint_mode, sample, schedule)
+    memory_checkpointed = checkpointed if checkpoint_mode == "full" else None
+    activations = activation_bytes(meta, batch_size, seq_len, precision, param_dtype, memory_checkpointed, sample)
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
@@ -133,9 +158,39 @@ def plan_memory(
         + f", precision {precision}{cast}, optimizer {optimizer}",
         "fsdp units: " + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
         + (f"; hsdp shards within groups of {group} ranks" if group is not None else "")
-        + ("; activation checkpointing by its policy" if activation_checkpointing is not None else ""),
+        + ("; activation checkpointing by its policy" if activation_checkpointing is not None else "")
+        + (" (selective: timed per op, memory planned without it)" if checkpoint_mode == "selective" else ""),
     ]
+    if forecast:
+        description.append(f"step time on {hardware.name}, {world_size // nodes} rank(s) per node (what the profile "
+                           "assumes: strategies/plan/hardware.py)")
     if budget is not None:
         description.append(f"device memory per rank: {format_bytes(budget)}")
     return MemoryPlan({name: replace(row, activations=activations) for name, row in rows.items()},
-                      world_size, nodes, budget, description)
+                      world_size, nodes, budget, description, forecasts)
+
+
+def _forecasts(model: nn.Module, meta: nn.Module, strategies: dict[str, Any], shard_over: dict[str, int],
+               hardware: Hardware, world_size: int, nodes: int, batch_size: int, seq_len: int | None,
+               precision: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, optimizer: str,
+               wrap_policy: Any, checkpointed: Any, checkpoint_mode: str, sample: Any,
+               schedule: str) -> dict[str, StepForecast]:
+    """Each strategy's step on `hardware`, from one timed fake step of a fresh meta copy of the model."""
+    timed = meta_copy(model)
+    if precision in TRUE_DTYPES:
+        timed.to(TRUE_DTYPES[precision])
+    cost = compute_cost(timed, hardware, batch_size, seq_len, precision, param_dtype, checkpointed,
+                        checkpoint_mode, sample)
+    owners = [[name.rpartition(".")[0] for name, _ in bucket] for bucket in gradient_buckets(meta)]
+    if param_dtype is not None and param_dtype == next(meta.parameters()).dtype:
+        param_dtype = None
+    reduce = reduce_dtype or param_dtype
+    tokens = batch_size * (seq_len or 1)
+    forecasts = {}
+    for name, ranks in shard_over.items():
+        spec = strategies[name].spec
+        units = plan_units(meta, spec, ranks, wrap_policy, param_dtype, full_precision_norms=schedule == "engine")
+        forecasts[name] = forecast_step(cost, units, spec, hardware, Topology(world_size, nodes, ranks), tokens,
+                                        OPTIMIZER_STATES[optimizer], reduce,
+                                        owners if not spec.shard_parameters else None, SCHEDULES[schedule])
+    return forecasts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .forecast import FORECAST_KEYS, StepForecast
 from .sizes import format_bytes
 
 STRATEGY_ORDER = ("ddp", "zero1", "zero2", "hsdp", "fsdp")  # least communication first (hsdp: when planned)
@@ -45,14 +46,20 @@ class MemoryPlan:
     nodes: int = 1
     device_memory: int | None = None
     description: list[str] = field(default_factory=list)  # lines above the table: the model, batch, options
+    forecasts: dict[str, StepForecast] = field(default_factory=dict)  # the step time of each strategy
 
     @property
     def activations(self) -> int:
         return next(iter(self.strategies.values())).activations
 
-    def to_json(self) -> dict[str, dict[str, int]]:
-        return {name: {**{kind: getattr(row, kind) for kind in KINDS}, "total": row.total}
+    def to_json(self) -> dict[str, dict[str, float]]:
+        return {name: {**{kind: getattr(row, kind) for kind in KINDS}, "total": row.total,
+                       **self._forecast_json(name)}
                 for name, row in self.strategies.items()}
+
+    def _forecast_json(self, name: str) -> dict[str, float]:
+        forecast = self.forecasts.get(name)
+        return {key: getattr(forecast, key) for key in FORECAST_KEYS} if forecast is not None else {}
 
     def fitting(self, budget: int | None = None) -> list[str]:
         """The strategies whose total fits `budget` (default: the device memory), least communication first."""
@@ -86,9 +93,17 @@ class MemoryPlan:
             raise ValueError("budget: this plan has no device memory; give a budget in bytes")
         return budget
 
+    def _forecast_cells(self, name: str) -> list[str]:
+        f = self.forecasts.get(name)
+        if f is None:
+            return ["-"] * 4 if self.forecasts else []
+        return [_seconds(f.step_s), f"{f.tokens_per_s_per_rank:,.0f}", f"{f.mfu:.1%}", _seconds(f.exposed_comm_s)]
+
     def table(self) -> str:
-        headers = ("strategy", "parameters", "gradients", "optimizer", "units in flight", "activations", "total")
-        rows = [[name, *(format_bytes(getattr(row, kind)) for kind in KINDS), format_bytes(row.total)]
+        headers = ("strategy", "parameters", "gradients", "optimizer", "units in flight", "activations", "total",
+                   *(("step", "tokens/s/rank", "MFU", "exposed comm") if self.forecasts else ()))
+        rows = [[name, *(format_bytes(getattr(row, kind)) for kind in KINDS), format_bytes(row.total),
+                 *self._forecast_cells(name)]
                 for name, row in self.strategies.items()]
         widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
         best = self.fitting()[0] if self.device_memory is not None and self.fitting() else None
@@ -103,3 +118,7 @@ class MemoryPlan:
         if self.device_memory is not None and best is None:
             lines.append(f"nothing fits {format_bytes(self.device_memory)} per rank")
         return "\n".join(lines)
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.1f} s"

@@ -1,0 +1,191 @@
+"""--measure: a hardware profile of the machine this runs on, for the step-time forecast.
+
+1. Rates, with the threads one rank of this machine gets (its cores shared by the ranks of a node): a large fp32 and
+   bf16 matmul, a memory-bound add, the cost of a tiny op, fused attention against the matmul rate.
+2. One training step of the model itself on this device (plain torch, AdamW), when it fits in memory: the forecast
+   of that same step at world size 1 is scaled to it, so what the micro-benchmarks miss (this model's op mix,
+   cache effects) is calibrated away.
+3. A sweep of the engine's own collectives (all-gather, reduce-scatter, all-reduce; 4 KiB to 16 MiB) over real
+   ranks of this machine; latency and bandwidth fitted by least squares to the ring model of link.py.
+Only the machine's own links can be measured: the inter-node link is taken to be the same.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from .hardware import Hardware, Link, default_hardware
+
+SWEEP_BYTES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _median_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_rates(device: torch.device) -> dict[str, float]:
+    """Matmul FLOP/s by dtype, memory bytes/s, seconds per tiny op, attention's share of the matmul rate."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 2048 if device.type == "cuda" else 768
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        rates[str(dtype).removeprefix("torch.")] = 2 * n**3 / _median_seconds(lambda a=a: (a @ a, sync()))
+    x, y = torch.randn(2, 2**22, device=device).unbind()  # 16 MiB each: past the caches
+    memory = 3 * x.nbytes / _median_seconds(lambda: (x.add_(y), sync()))
+    tiny = torch.ones(1, device=device)
+    overhead = _median_seconds(lambda: [tiny.add(1) for _ in range(100)] and sync()) / 100
+    q = torch.randn(1, 8, 512, 64, device=device)
+    attention = 4 * 8 * 512 * 512 * 64 / _median_seconds(lambda: (F.scaled_dot_product_attention(q, q, q), sync()))
+    return {**rates, "memory": memory, "overhead": overhead, "attention_fraction": attention / rates["float32"]}
+
+
+def _sweep_worker(rank: int, world: int, port: int, threads: int, results: Any) -> None:
+    from ..sharding.collectives import CommStats, all_gather, all_reduce_sum, reduce_scatter_sum, wait
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    stats, found = CommStats(), []
+    for nbytes in SWEEP_BYTES:
+        full = torch.zeros(nbytes // 4)
+        shard = torch.zeros(full.numel() // world)
+        runs = {
+            "all_gather": lambda f=full, s=shard: wait(all_gather(f, s, None, stats, async_op=True)),
+            "reduce_scatter": lambda f=full, s=shard: wait(reduce_scatter_sum(s, f, None, stats, async_op=True)),
+            "all_reduce": lambda f=full: wait(all_reduce_sum(f, None, stats, async_op=True)),
+        }
+        for kind, run in runs.items():
+            dist.barrier()
+            found.append((kind, nbytes, _median_seconds(run)))
+    if rank == 0:
+        results.put(found)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sweep_collectives(ranks: int, threads: int) -> list[tuple[str, int, float]]:
+    """(kind, bytes, seconds) of the engine's collectives over `ranks` gloo ranks of this machine."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    mp.start_processes(_sweep_worker, args=(ranks, _free_port(), threads, results), nprocs=ranks,
+                       start_method="spawn")
+    return results.get()
+
+
+def fit_link(samples: list[tuple[str, int, float]], ranks: int) -> Link:
+    """Least-squares latency per ring step and bandwidth from the sweep, in link.py's model."""
+    rows = []
+    for kind, nbytes, seconds in samples:
+        factor = 2 if kind == "all_reduce" else 1  # a ring all-reduce is two passes
+        rows.append((factor * (ranks - 1), factor * (ranks - 1) / ranks * nbytes, seconds))
+    a = torch.tensor([[steps, moved] for steps, moved, _ in rows], dtype=torch.float64)
+    b = torch.tensor([seconds for *_, seconds in rows], dtype=torch.float64)
+    latency, seconds_per_byte = torch.linalg.lstsq(a, b[:, None]).solution.flatten().tolist()
+    return Link(bandwidth=1 / max(seconds_per_byte, 1e-15), latency=max(latency, 0.0))
+
+
+def _one_step_seconds(model: nn.Module, batch_size: int, seq_len: int | None, device: torch.device) -> float | None:
+    """A real AdamW step of the model (tokens in, next-token loss) on this device; None where it is no token
+    model or does not fit."""
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None or seq_len is None:
+        return None
+    try:
+        model = model.to_empty(device=device)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tokens = torch.randint(embedding.num_embeddings, (batch_size, seq_len), device=device)
+
+        def step() -> None:
+            logits = model(tokens)
+            F.cross_entropy(logits.flatten(0, -2).float(), tokens.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        return _median_seconds(step, repeat=3)
+    except (RuntimeError, MemoryError):
+        return None
+
+
+def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) -> Hardware:
+    """The profile of this machine for the plan's arguments (`args` of python -m strategies.plan); prints it."""
+    base = base or default_hardware()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local = max(1, args.world_size // args.nodes)
+    threads = max(1, (os.cpu_count() or 1) // local) if device.type == "cpu" else torch.get_num_threads()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rates = measure_rates(device)
+        print(f"measured on {device.type} with {threads} thread(s) per rank: matmul fp32 "
+              f"{rates['float32'] / 1e9:,.1f} GFLOP/s, bf16 {rates['bfloat16'] / 1e9:,.1f} GFLOP/s, memory "
+              f"{rates['memory'] / 1e9:,.2f} GB/s, {rates['overhead'] * 1e6:,.1f} us per op, attention at "
+              f"{rates['attention_fraction']:.2f} of the matmul rate", flush=True)
+        profile = replace(base, name=f"{device.type} (measured)",
+                          matmul_flops={"float32": rates["float32"], "bfloat16": rates["bfloat16"],
+                                        "float16": rates["bfloat16"]},
+                          peak_flops=base.peak_flops if device.type == "cuda" else
+                          {"float32": rates["float32"], "bfloat16": rates["bfloat16"], "float16": rates["bfloat16"]},
+                          memory_bandwidth=rates["memory"], op_overhead=rates["overhead"],
+                          attention_fraction=min(1.0, rates["attention_fraction"]),
+                          sources=["measured by python -m strategies.plan --measure on this machine"])
+        profile = _calibrated(profile, model, args, device)
+    finally:
+        torch.set_num_threads(previous)
+    if local > 1 and device.type == "cpu":
+        link = fit_link(sweep_collectives(local, threads), local)
+        print(f"collectives over {local} gloo ranks: {link.bandwidth / 1e9:,.2f} GB/s bus bandwidth, "
+              f"{link.latency * 1e6:,.0f} us per ring step", flush=True)
+        profile = replace(profile, intra_node=link, inter_node=link)
+    if args.save_hardware:
+        import json
+
+        with open(args.save_hardware, "w") as f:
+            json.dump(profile.to_json(), f, indent=1)
+    return profile
+
+
+def _calibrated(profile: Hardware, model: nn.Module, args: Any, device: torch.device) -> Hardware:
+    """Scale every rate so that the forecast of one step at world size 1 equals a measured step of the model."""
+    from .planner import meta_copy, plan_memory
+
+    measured = _one_step_seconds(meta_copy(model), args.batch_size, args.seq_len, device)
+    if measured is None:
+        print("one step of the model: not measured (not a token model, or it does not fit); micro-benchmarks only")
+        return profile
+    forecast = plan_memory(model, world_size=1, batch_size=args.batch_size, seq_len=args.seq_len,
+                           hardware=profile).forecasts["ddp"].step_s
+    scale = measured / forecast
+    print(f"one step of the model: measured {measured * 1e3:,.1f} ms, micro-benchmarks forecast "
+          f"{forecast * 1e3:,.1f} ms: every rate scaled by {1 / scale:.2f}", flush=True)
+    return replace(profile, matmul_flops={k: v / scale for k, v in profile.matmul_flops.items()},
+                   memory_bandwidth=profile.memory_bandwidth / scale, op_overhead=profile.op_overhead * scale)
