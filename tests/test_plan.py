@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from strategies.plan import STRATEGY_ORDER, MemoryPlan, StrategyMemory, model_state_bytes, parse_bytes, plan_memory
+from strategies.plan import FORECAST_KEYS, STRATEGY_ORDER, MemoryPlan, StrategyMemory, model_state_bytes, parse_bytes, plan_memory
 from strategies.plan.__main__ import main as plan_main
 from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions
 from tests.test_parity import VOCAB, Block, TiedLM, token_dataset
@@ -193,7 +193,7 @@ def test_a_70b_model_is_planned_without_memory():
         "with torch.device('meta'):\n"
         "    model = llama_70b()\n"
         "plan = plan_memory(model, world_size=8, batch_size=1, seq_len=4096, precision='bf16-mixed',\n"
-        "                   wrap_policy=lambda m, name: type(m).__name__ == 'Block')\n"
+        "                   wrap_policy=lambda m, name: type(m).__name__ == 'Block', forecast=False)\n"
         "grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024\n"
         "print(json.dumps({'grown': grown, 'seconds': time.perf_counter() - start,\n"
         "                  'fsdp': plan.strategies['fsdp'].model_state}))\n"
@@ -215,7 +215,8 @@ def test_command_line_json(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert list(plan) == [name for name in STRATEGY_ORDER if name != "hsdp"]  # hsdp: with --hybrid-shard or nodes
     for name, row in plan.items():
-        assert list(row) == list(KINDS), name
+        assert list(row) == [*KINDS, *FORECAST_KEYS], name  # the forecast's keys: tests/test_forecast.py
+        row = {kind: row[kind] for kind in KINDS}
         assert all(isinstance(v, int) and v >= 0 for v in row.values()), row
         transient = row["units_in_flight"] + row["activations"]
         gradients = row["gradients"] + transient if name in ("ddp", "zero1") else max(row["gradients"], transient)

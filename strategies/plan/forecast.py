@@ -147,7 +147,7 @@ def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], h
     forward = [(unit_of(owner, names), s) for owner, s in cost.forward]
     backward = [(unit_of(owner, names), s) for owner, s in backward_segments(cost)]
     order = [u for u in dict.fromkeys(["", *(u for u, _ in forward)]) if u in by_name]  # root gathered first
-    ready: dict[str, float] = {}
+    ready: dict[str, float] = {} if "" in by_name else {"": 0.0}  # no root unit: nothing to gather for it
     for phase, segments in (("forward", forward), ("backward", backward)):
         sequence = order if phase == "forward" else [u for u in reversed(order) if u != ""]
         if phase == "backward":

@@ -1,0 +1,137 @@
+"""The step-time forecast of the plan: FLOPs counted on fake tensors, collectives timed on a link model, the
+engine's schedule replayed; the command line's columns and JSON keys, and the link fitted from a sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from strategies.plan import FORECAST_KEYS, HARDWARE, Link, get_hardware, plan_memory
+from strategies.plan.__main__ import main as plan_main
+from strategies.plan.hardware import with_changes
+from strategies.plan.link import collective_seconds
+from strategies.plan.measure import fit_link
+from tests.test_parity import Block, TiedLM
+
+H100 = HARDWARE["h100"]
+
+
+class Linears(nn.Module):
+    """A stack of bias-free square Linear layers: 2 * width**2 FLOPs per layer per sample forward, nothing else."""
+
+    def __init__(self, layers: int = 4, width: int = 256) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def example_input(self, batch_size: int, seq_len: int | None) -> torch.Tensor:
+        return torch.empty(batch_size, self.layers[0].in_features)
+
+
+def test_the_model_flops_are_six_times_parameters_times_samples():
+    model = Linears(layers=4, width=256)
+    plan = plan_memory(model, world_size=1, batch_size=8, hardware="h100")
+    forecast = plan.forecasts["ddp"]
+    flops = 6 * 4 * 256 * 256 * 8
+    assert forecast.mfu == pytest.approx(flops / forecast.step_s / H100.peak_flops["float32"])
+    assert forecast.exposed_comm_s == 0 and forecast.comm_s == 0  # one rank: nothing to send
+
+
+def test_collective_times_follow_the_ring_and_tree_formulas():
+    link = Link(bandwidth=100e9, latency=1e-6)
+    assert collective_seconds("all_gather", 8 * 10**9, 8, link) == pytest.approx(7 / 8 * 0.08 + 7e-6)
+    assert collective_seconds("reduce_scatter", 8 * 10**9, 8, link) == pytest.approx(7 / 8 * 0.08 + 7e-6)
+    ring = 2 * 7 / 8 * 0.08 + 14e-6
+    assert collective_seconds("all_reduce", 8 * 10**9, 8, link) == pytest.approx(ring)
+    # tiny messages over many ranks: the tree's log-depth latency wins
+    assert collective_seconds("all_reduce", 1024, 1024, link) == pytest.approx(2 * 1024 / 100e9 + 20e-6)
+    assert collective_seconds("all_gather", 10**6, 1, link) == 0
+    with pytest.raises(ValueError, match="broadcast.*all_gather"):
+        collective_seconds("broadcast", 1, 2, link)
+
+
+def test_free_links_expose_nothing_and_slow_links_expose_what_cannot_overlap():
+    model = TiedLM()
+    fast = with_changes(H100, intra_node=Link(1e30, 0.0), inter_node=Link(1e30, 0.0))
+    slow = with_changes(H100, inter_node=Link(1e6, 1e-3))
+    common = dict(world_size=16, nodes=2, batch_size=2, seq_len=16, wrap_policy={Block})
+    free = plan_memory(model, hardware=fast, **common).forecasts
+    for name, f in free.items():
+        assert f.exposed_comm_s == pytest.approx(0, abs=1e-12), name
+        assert f.step_s == pytest.approx(f.compute_s + f.optimizer_s), name
+    costly = plan_memory(model, hardware=slow, **common).forecasts
+    for name in free:
+        assert costly[name].step_s > free[name].step_s, name
+    # hsdp sends only a 1/8 shard of each gradient across the slow link, fsdp everything, twice gathered
+    assert costly["hsdp"].exposed_comm_s < costly["fsdp"].exposed_comm_s
+
+
+def test_fsdp_overlaps_gathers_with_compute_when_the_link_is_fast_enough():
+    """Per unit, a gather that takes less than the unit's compute is hidden, except the first one of each pass."""
+    model = TiedLM()
+    plan = plan_memory(model, world_size=8, batch_size=64, seq_len=16, wrap_policy={Block}, hardware="h100")
+    fsdp = plan.forecasts["fsdp"]
+    assert fsdp.comm_s > 0
+    assert fsdp.exposed_comm_s < fsdp.comm_s
+
+
+def test_the_command_line_prints_the_forecast_columns_and_json_keys(capsys):
+    args = ["examples.llama:llama_tiny", "--world-size", "16", "--nodes", "2", "--batch-size", "2", "--seq-len",
+            "64", "--wrap", "Block", "--hardware", "a100", "--precision", "bf16-mixed"]
+    plan_main(args)
+    table = capsys.readouterr().out
+    assert "step time on a100" in table and "tokens/s/rank" in table and "MFU" in table and "exposed comm" in table
+    plan_main([*args, "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert list(plan) == ["ddp", "zero1", "zero2", "hsdp", "fsdp"]
+    for name, row in plan.items():
+        assert set(FORECAST_KEYS) <= set(row), name
+        assert row["step_s"] > 0 and 0 < row["mfu"] < 1, (name, row)
+        assert row["tokens_per_s_per_rank"] == pytest.approx(2 * 64 / row["step_s"])
+        assert 0 <= row["exposed_comm_s"] < row["step_s"]
+
+
+def test_a_bad_hardware_name_lists_the_choices(capsys, tmp_path):
+    with pytest.raises(ValueError, match=r"hardware='tpu'.*\['a100', 'cpu', 'h100', 'h200'\]"):
+        get_hardware("tpu")
+    with pytest.raises(SystemExit):
+        plan_main(["examples.llama:llama_tiny", "--seq-len", "8", "--save-hardware", str(tmp_path / "x.json")])
+    assert "--save-hardware: give --measure too" in capsys.readouterr().err
+
+
+def test_a_measured_profile_round_trips_through_its_json_file(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(H100.to_json()))
+    assert get_hardware(str(path)) == H100
+
+
+def test_the_link_fit_recovers_latency_and_bandwidth_of_a_ring():
+    truth = Link(bandwidth=2e9, latency=50e-6)
+    samples = [(kind, nbytes, collective_seconds(kind, nbytes, 2, truth))
+               for kind in ("all_gather", "reduce_scatter") for nbytes in (4096, 2**16, 2**20, 2**24)]
+    samples += [("all_reduce", n, 2 * (n / 2 / truth.bandwidth + truth.latency)) for n in (4096, 2**20, 2**24)]
+    fitted = fit_link(samples, 2)
+    assert math.isclose(fitted.bandwidth, truth.bandwidth, rel_tol=1e-6)
+    assert math.isclose(fitted.latency, truth.latency, rel_tol=1e-6)
+
+
+def test_selective_checkpointing_recomputes_less_than_full():
+    from examples.llama import Block as LlamaBlock
+    from examples.llama import llama_tiny
+
+    with torch.device("meta"):
+        model = llama_tiny()
+    common = dict(world_size=1, batch_size=4, seq_len=64, precision="bf16-mixed", hardware="h100",
+                  activation_checkpointing={LlamaBlock})
+    none = plan_memory(model, world_size=1, batch_size=4, seq_len=64, precision="bf16-mixed", hardware="h100")
+    full = plan_memory(model, **common).forecasts["ddp"].compute_s
+    selective = plan_memory(model, checkpoint_mode="selective", **common).forecasts["ddp"].compute_s
+    assert none.forecasts["ddp"].compute_s < selective < full
+    with pytest.raises(ValueError, match=r"checkpoint_mode='some'.*\['full', 'selective'\]"):
+        plan_memory(model, checkpoint_mode="some", **common)
