@@ -1,0 +1,186 @@
+"""The step-time forecast checked two ways, each printed as a table.
+
+    python benchmarks/forecast.py                # both
+    python benchmarks/forecast.py --only cpu     # this machine: calibrate, forecast, measure
+    python benchmarks/forecast.py --only paper   # Llama 3.1 8B against torchtitan's published H100 table
+
+cpu: `--measure` calibrates a profile on this machine (one step of the 30m GPT with one thread, a gloo sweep over
+2 ranks), the plan forecasts ddp, zero2 and fsdp on 2 ranks for benchmarks/compare.py's 30m preset (batch 2 x 128
+tokens per rank, fp32 AdamW, fsdp wrapping each Block), then compare.py measures the median step of the same three
+(2 gloo ranks, 1 thread each) and the table shows forecast / measured.
+
+paper: examples.llama:llama3_8b planned as torchtitan's Table 1 and 3 ran it (docs/performance.md in pytorch/
+torchtitan, "llama3_h100_202412_torchtitan"): FSDP, bf16 parameters, fp32 reduce, sequence 8192, local batch 2,
+selective (per-op) activation checkpointing, hosts of 8 H100 (NVLink; 96 GB HBM2e at 2.4 TB/s, 500 W) with 400 Gb/s
+per GPU between hosts. The profile is `h100` with the HBM bandwidth set to 2.4 TB/s; its matmul rate is a
+published measurement on a 700 W H100 (see strategies/plan/hardware.py), not fitted to these figures. Both torch's
+fully_shard schedule (what torchtitan ran) and this engine's are forecast; then the docs' table of the 8B model at
+8 to 1,024 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from strategies.plan import HARDWARE, plan_memory  # noqa: E402
+from strategies.plan.hardware import with_changes  # noqa: E402
+from strategies.plan.measure import measure_hardware  # noqa: E402
+
+TORCHTITAN_TPS = {8: 5762, 128: 5605}  # TPS/GPU, FSDP, Llama 3.1 8B, Tables 1 and 3
+CPU_VARIANTS = ("ddp", "zero2", "fsdp")
+
+
+def cpu_check(rounds: int) -> None:
+    from examples.gpt import GPT, GPT_PRESETS, Block
+
+    config = GPT_PRESETS["30m"]
+    config = type(config)(**{**config.__dict__, "block_size": 128})
+    with torch.device("meta"):
+        model = GPT(config)
+    args = SimpleNamespace(world_size=2, nodes=1, batch_size=2, seq_len=128, save_hardware=None)
+    profile = measure_hardware(model, args, HARDWARE["cpu"])
+    plan = plan_memory(model, world_size=2, batch_size=2, seq_len=128, wrap_policy={Block}, hardware=profile)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "compare.json")
+        command = [sys.executable, os.path.join(os.path.dirname(__file__), "compare.py"), "--preset", "30m",
+                   "--variants", ",".join(CPU_VARIANTS), "--rounds", str(rounds), "--memory", "inline", "--json", out]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            results = json.load(f)["results"]["30m"]["variants"]
+    print("\n| strategy | forecast step (s) | exposed comm (s) | measured median step (s) | forecast / measured |")
+    print("|---|---:|---:|---:|---:|")
+    for name in CPU_VARIANTS:
+        times = sorted(results[name]["times"])
+        measured = (times[(len(times) - 1) // 2] + times[len(times) // 2]) / 2
+        f = plan.forecasts[name]
+        print(f"| {name} | {f.step_s:.3f} | {f.exposed_comm_s:.3f} | {measured:.3f} | {f.step_s / measured:.2f} |")
+
+
+def llama_plan(world_size: int, nodes: int, schedule: str):
+    from examples.llama import Block, llama3_8b
+
+    with torch.device("meta"):
+        model = llama3_8b()
+    hardware = with_changes(HARDWARE["h100"], name="h100 (HBM2e 2.4 TB/s)", memory_bandwidth=0.8 * 2.4e12)
+    return plan_memory(model, world_size=world_size, nodes=nodes, batch_size=2, seq_len=8192,
+                       precision="bf16-mixed", param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                       wrap_policy={Block}, activation_checkpointing={Block}, checkpoint_mode="selective",
+                       hardware=hardware, schedule=schedule, device_memory="96GB")
+
+
+def paper_check() -> None:
+    print("\n| schedule | GPUs | forecast TPS/GPU | torchtitan TPS/GPU | forecast / torchtitan | MFU | "
+          "exposed comm (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    found = {}
+    for schedule in ("fully_shard", "engine"):
+        for gpus in (8, 128):
+            f = llama_plan(gpus, gpus // 8, schedule).forecasts["fsdp"]
+            found[schedule, gpus] = f.tokens_per_s_per_rank
+            print(f"| {schedule} | {gpus} | {f.tokens_per_s_per_rank:,.0f} | {TORCHTITAN_TPS[gpus]:,} | "
+                  f"{f.tokens_per_s_per_rank / TORCHTITAN_TPS[gpus]:.2f} | {f.mfu:.1%} | {f.exposed_comm_s:.3f} |")
+    theirs = TORCHTITAN_TPS[128] / TORCHTITAN_TPS[8]
+    for schedule in ("fully_shard", "engine"):
+        ours = found[schedule, 128] / found[schedule, 8]
+        print(f"\n128/8 GPUs, {schedule}: forecast {ours:.3f}, torchtitan {theirs:.3f} "
+              f"({100 * (ours - theirs):+.1f} points)")
+    print("\n| GPUs (nodes of 8) | strategy | step (s) | tokens/s per GPU | MFU | exposed comm (s) | "
+          "memory per GPU (planned without checkpointing: an upper bound) |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for gpus in (8, 64, 128, 1024):
+        plan = llama_plan(gpus, gpus // 8, "engine")
+        for name in ("zero2", "hsdp", "fsdp"):
+            if name not in plan.forecasts:
+                continue
+            f, row = plan.forecasts[name], plan.strategies[name]
+            print(f"| {gpus} | {name} | {f.step_s:.2f} | {f.tokens_per_s_per_rank:,.0f} | {f.mfu:.1%} | "
+                  f"{f.exposed_comm_s:.2f} | {row.total / 2**30:.1f} GiB |")
+
+
+class OneLayer(torch.nn.Module):
+    """One Llama 3.1 8B decoder layer on a batch of hidden states: what the paper check's compute rests on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from examples.llama import LLAMA_PRESETS, Block
+
+        self.layer = Block(LLAMA_PRESETS["3.1-8b"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def example_input(self, batch_size: int, seq_len: int | None) -> torch.Tensor:
+        return torch.empty(batch_size, seq_len, 4096)
+
+
+def layer_check() -> None:
+    """On a GPU: one decoder layer's forward and backward (bf16 autocast, torchtitan's selective checkpointing)
+    timed, beside the forecast of the same on the h100 profile: the measured achieved rate the paper check's
+    compute could rest on instead of the published matmul rate."""
+    if not torch.cuda.is_available():
+        print("\nlayer: needs a GPU (torch.cuda.is_available() is False here)")
+        return
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from strategies.plan.compute import _selective_policy
+
+    with torch.device("meta"):
+        meta = OneLayer()
+    forecast = plan_memory(meta, batch_size=2, seq_len=8192, precision="bf16-mixed", hardware="h100",
+                           activation_checkpointing={OneLayer}, checkpoint_mode="selective").forecasts["ddp"]
+    model = OneLayer().cuda()
+    x = torch.randn(2, 8192, 4096, device="cuda", requires_grad=True)
+    context = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = checkpoint(model, x, use_reentrant=False, context_fn=context)
+        y.float().mean().backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    measured = start.elapsed_time(end) / 10 / 1e3
+    print(f"\nlayer on {torch.cuda.get_device_name()}: measured {measured * 1e3:.1f} ms, forecast on h100 "
+          f"{forecast.compute_s * 1e3:.1f} ms, forecast / measured {forecast.compute_s / measured:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["cpu", "paper", "layer"], help="layer: on a GPU, one 8B decoder layer "
+                        "measured against its forecast (not run by default)")
+    parser.add_argument("--rounds", type=int, default=2, help="compare.py's rounds for the measured steps")
+    args = parser.parse_args()
+    print(f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; machine: {platform.machine()}, "
+          f"{os.cpu_count()} CPUs; torch {torch.__version__}")
+    print(f"command: python benchmarks/forecast.py {' '.join(sys.argv[1:])}".rstrip())
+    if args.only in (None, "cpu"):
+        cpu_check(args.rounds)
+    if args.only in (None, "paper"):
+        paper_check()
+    if args.only == "layer":
+        layer_check()
+
+
+if __name__ == "__main__":
+    main()
