@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from callbacks import EMA, EarlyStopping, ModelCheckpoint
 from strategies import get_strategy
 from strategies.checkpoint import format as ckpt_format
-from tests.test_checkpoint import LM, fit, loader, make_trainer
+from tests.test_checkpoint import LM, fit, keeps_determinism_setting, loader, make_trainer
 from trainer import DataModule, seed_everything
 from trainer import checkpoint as ckpt_io
 
@@ -133,6 +133,28 @@ def test_an_object_item_outside_the_allow_list_is_refused_on_resume(tmp_path, ma
     trainer = make_trainer(str(tmp_path / "trusted"), "single", 1, max_steps=4)
     trainer.fit(LM(), loader(), ckpt_path=path, trust_pickled=True)
     assert trainer.global_step == 4 and marker.exists()
+
+
+@keeps_determinism_setting
+def _resume_body(root: str) -> str | None:
+    Smuggler.marker = pathlib.Path(root) / "MARKER"
+    path = os.path.join(root, "ckpt")
+    seed_everything(0)
+    trainer = make_trainer(root, "fsdp", 2, max_steps=2)
+    trainer.fit(Smuggler(), loader(2))
+    trainer.save_checkpoint(path)
+    try:
+        fit(os.path.join(root, "resume"), "zero2", 2, max_steps=4, ckpt_path=path)
+    except ckpt_io.CheckpointError as error:
+        return str(error)
+    return None
+
+
+def test_every_rank_refuses_the_planted_item_of_a_sharded_run(rank_pool, tmp_path, marker):
+    errors = rank_pool(2).run(_resume_body, str(tmp_path))
+    assert all(error is not None and "item 'trainer' in __0_0.distcp" in error and "posix.system" in error
+               for error in errors), errors
+    assert not marker.exists()
 
 
 def test_strategy_load_refuses_a_planted_entry_and_loads_it_when_trusted(tmp_path, marker):

@@ -42,7 +42,7 @@ _DCP_NAMED = [
 ]
 # Plain data that pickle names as a global and torch's weights_only loader admits by default.
 _PLAIN = [OrderedDict, set, frozenset, complex, torch.Size]
-_STATE_TYPES: list[type] = []
+_STATE_TYPES: list[type] = []  # the project's own (admit)
 
 
 def admit(cls: type) -> type:
@@ -64,9 +64,7 @@ def _name(obj: Any) -> str:
 
 def _allowed_names() -> dict[str, Any]:
     """Every global the `.metadata` unpickler admits, by "module.name"; with the user's safe globals."""
-    names = {_name(obj): obj for obj in [*_PLAIN, *allowed()]}
-    names.update({f"{module}.{name}": getattr(importlib.import_module(module), name)
-                  for module, name in _DCP_NAMED if hasattr(importlib.import_module(module), name)})
+    names = {_name(obj): obj for obj in [*_PLAIN, *allowed()]}  # as pickle names a global: module, qualname
     for entry in torch.serialization.get_safe_globals():
         obj, name = entry if isinstance(entry, tuple) else (entry, _name(entry))
         names[name] = obj
@@ -133,7 +131,7 @@ class Refused(CheckpointError):
 
 # ---- DCP's .metadata ---------------------------------------------------------------------------------------
 class MetadataUnpickler(pickle.Unpickler):
-    """pickle's unpickler for DCP's `.metadata`, admitting only the allow-list; `found` collects what it refused."""
+    """pickle's unpickler for DCP's `.metadata`, admitting only the allow-list (DCP's reader admits anything)."""
 
     def __init__(self, file: IO[bytes]) -> None:
         super().__init__(file)
