@@ -393,7 +393,7 @@ class Strategy:
         """
         loop_state.save(self, path, state)
 
-    def load(self, path: str | os.PathLike, state: dict[str, Any]) -> dict[str, Any]:
+    def load(self, path: str | os.PathLike, state: dict[str, Any], trust_pickled: bool = False) -> dict[str, Any]:
         """Restore `state` in place from a checkpoint of `save` (or of the Trainer), written under any strategy and
         world size. Collective.
 
@@ -403,6 +403,8 @@ class Strategy:
         Args:
             path: the checkpoint directory.
             state: what to restore, with the same keys as were saved (e.g. `{"model": model, "optimizer": opt}`).
+            trust_pickled: unpickle whatever the checkpoint holds. Only for a checkpoint whose writer you trust
+                (unpickling can run code); by default only tensors, plain data and the project's state types.
 
         Returns:
             The checkpoint's entries that are not the model or an optimizer.
@@ -411,9 +413,10 @@ class Strategy:
             TypeError: if `state` is not a dict.
             RuntimeError: if `setup_module` was not called first.
             ValueError: if `state` does not hold the set-up model exactly once, or holds another module; if the
-                checkpoint does not fit the model (names, shapes) or lacks one of `state`'s keys.
+                checkpoint does not fit the model (names, shapes) or lacks one of `state`'s keys; a
+                `CheckpointError` (a ValueError) without `trust_pickled` if it holds pickled objects of other types.
         """
-        return loop_state.load(self, path, state)
+        return loop_state.load(self, path, state, trust_pickled)
 
     # ---- state --------------------------------------------------------------------------------------
     def model_state_pieces(self) -> dict[str, Any]:

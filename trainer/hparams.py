@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
+from strategies.checkpoint.unpickling import admit
+
 
 class HyperparametersMixin:
     """`save_hyperparameters` and `hparams`, shared by TrainModule and DataModule (as in Lightning)."""
@@ -32,6 +34,7 @@ class HyperparametersMixin:
             del frame
 
 
+@admit  # checkpoints may hold it (hyperparameters recorded from another module's hparams, say)
 class AttributeDict(dict):
     """A dict whose keys are also attributes: `hparams.lr == hparams["lr"]`."""
 
@@ -43,6 +46,10 @@ class AttributeDict(dict):
 
     def __setattr__(self, key: str, value: Any) -> None:
         self[key] = value
+
+    def __reduce__(self) -> tuple:
+        # rebuilt from a plain dict: torch's weights_only loader fills only dicts item by item
+        return AttributeDict, (dict(self),)
 
 
 def init_arguments(frame: FrameType, owner: object) -> dict[str, Any]:

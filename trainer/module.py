@@ -88,7 +88,8 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         return self.trainer.local_rank if self._trainer else 0
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, strict: bool = True, **overrides: Any) -> Any:
+    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, strict: bool = True, trust_pickled: bool = False,
+                             **overrides: Any) -> Any:
         """Rebuild the module from a checkpoint, in this process, with no process group.
 
         The module is constructed with the hyperparameters the checkpoint recorded (see `save_hyperparameters`),
@@ -98,6 +99,8 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         Args:
             checkpoint_path: a checkpoint directory or full file this project wrote.
             strict: passed to `load_state_dict`: whether the checkpoint's keys must match the module's exactly.
+            trust_pickled: unpickle whatever the checkpoint holds, not only tensors and plain data (only for a
+                checkpoint whose writer you trust: unpickling can run code).
             **overrides: constructor arguments that replace recorded hyperparameters.
 
         Returns:
@@ -105,10 +108,10 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         """
         from .checkpoint import load_full_state_dict, load_trainer_state
 
-        saved = load_trainer_state(checkpoint_path)
+        saved = load_trainer_state(checkpoint_path, trust_pickled=trust_pickled)
         module = cls(**{**saved.get("hparams", {}), **overrides})
         module.configure_model()
-        module.load_state_dict(load_full_state_dict(checkpoint_path), strict=strict)
+        module.load_state_dict(load_full_state_dict(checkpoint_path, trust_pickled=trust_pickled), strict=strict)
         return module
 
     def print(self, *args: Any, **kwargs: Any) -> None:

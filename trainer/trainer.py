@@ -302,6 +302,8 @@ class Trainer:
         val_dataloaders: Any = None,
         ckpt_path: str | None = None,
         datamodule: DataModule | None = None,
+        *,
+        trust_pickled: bool = False,
     ) -> None:
         """Train `module`, validating as `val_check_interval` says.
 
@@ -318,6 +320,10 @@ class Trainer:
             ckpt_path: resume from this checkpoint (a directory or full file this project wrote), or `"last"`
                 (the newest checkpoint in the checkpoint folder; start from scratch when there is none).
             datamodule: a `DataModule` that provides the loaders.
+            trust_pickled: with `ckpt_path`, unpickle whatever the checkpoint holds, not only tensors, plain
+                data and the project's state types. Only for a checkpoint whose writer you trust: unpickling can
+                run code. Without it, a checkpoint that holds other types is refused with a `CheckpointError`
+                naming them (see Checkpoints in the docs).
 
         Raises:
             RuntimeError: if `fit` was already called on this Trainer.
@@ -346,14 +352,14 @@ class Trainer:
         if not module.automatic_optimization:
             manual_optimization(self)
         if ckpt_path is not None:
-            self._restore(ckpt_path)
+            self._restore(ckpt_path, trust_pickled=trust_pickled)
         # SIGTERM stays noted until the stage has ended; the step timer, profiler and divergence check watch the fit
         with self.signal_watch, self._stage("fit"), during_fit(self):
             StepRunner(self, train_loader, val_loader).fit()
 
     def validate(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-        datamodule: DataModule | None = None,
+        datamodule: DataModule | None = None, *, trust_pickled: bool = False,
     ) -> list[dict[str, float]]:
         """Run one validation epoch (`validation_step` on every batch) and return the metrics logged.
 
@@ -365,6 +371,10 @@ class Trainer:
                 `val_dataloader`.
             ckpt_path: load the weights of this checkpoint (or `"last"`) first.
             datamodule: a `DataModule` that provides the loader.
+            trust_pickled: with `ckpt_path`, unpickle whatever the checkpoint holds, not only tensors, plain
+                data and the project's state types. Only for a checkpoint whose writer you trust: unpickling can
+                run code. Without it, a checkpoint that holds other types is refused with a `CheckpointError`
+                naming them (see Checkpoints in the docs).
 
         Returns:
             A list with one dict: each logged name and its epoch value.
@@ -373,11 +383,11 @@ class Trainer:
             TypeError: if the module is not a `TrainModule`.
             ValueError: if no loader is given and the hook returns None.
         """
-        return self._evaluate("validate", module, dataloaders, ckpt_path, datamodule)
+        return self._evaluate("validate", module, dataloaders, ckpt_path, datamodule, trust_pickled)
 
     def test(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-        datamodule: DataModule | None = None,
+        datamodule: DataModule | None = None, *, trust_pickled: bool = False,
     ) -> list[dict[str, float]]:
         """Run one test epoch (`test_step` on every batch) and return the metrics logged.
 
@@ -389,6 +399,10 @@ class Trainer:
                 `test_dataloader`.
             ckpt_path: load the weights of this checkpoint (or `"last"`) first.
             datamodule: a `DataModule` that provides the loader.
+            trust_pickled: with `ckpt_path`, unpickle whatever the checkpoint holds, not only tensors, plain
+                data and the project's state types. Only for a checkpoint whose writer you trust: unpickling can
+                run code. Without it, a checkpoint that holds other types is refused with a `CheckpointError`
+                naming them (see Checkpoints in the docs).
 
         Returns:
             A list with one dict: each logged name and its epoch value.
@@ -397,11 +411,11 @@ class Trainer:
             TypeError: if the module is not a `TrainModule`.
             ValueError: if no loader is given and the hook returns None.
         """
-        return self._evaluate("test", module, dataloaders, ckpt_path, datamodule)
+        return self._evaluate("test", module, dataloaders, ckpt_path, datamodule, trust_pickled)
 
     def predict(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-        datamodule: DataModule | None = None,
+        datamodule: DataModule | None = None, *, trust_pickled: bool = False,
     ) -> list[Any] | None:
         """Run `predict_step` on every batch and gather the predictions.
 
@@ -413,6 +427,10 @@ class Trainer:
                 `predict_dataloader`.
             ckpt_path: load the weights of this checkpoint (or `"last"`) first.
             datamodule: a `DataModule` that provides the loader.
+            trust_pickled: with `ckpt_path`, unpickle whatever the checkpoint holds, not only tensors, plain
+                data and the project's state types. Only for a checkpoint whose writer you trust: unpickling can
+                run code. Without it, a checkpoint that holds other types is refused with a `CheckpointError`
+                naming them (see Checkpoints in the docs).
 
         Returns:
             On rank 0, each batch's prediction in dataset order; `None` on the other ranks.
@@ -421,9 +439,10 @@ class Trainer:
             TypeError: if the module is not a `TrainModule`.
             ValueError: if no loader is given and the hook returns None.
         """
-        return self._evaluate("predict", module, dataloaders, ckpt_path, datamodule)
+        return self._evaluate("predict", module, dataloaders, ckpt_path, datamodule, trust_pickled)
 
-    def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any, datamodule: Any) -> Any:
+    def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any, datamodule: Any,
+                  trust_pickled: bool) -> Any:
         (dataloaders, ckpt_path), datamodule = datamodule_in(dataloaders, ckpt_path, datamodule=datamodule)
         self._choose_strategy(module or self.module, None)
         module = self._setup(module or self.module, stage, datamodule)
@@ -431,7 +450,7 @@ class Trainer:
         default = getattr(datamodule or module, loader_of[stage])
         loader = self._loader(dataloaders, default, "dataloaders", required=True, evaluation=True)
         if ckpt_path is not None:
-            self._restore(ckpt_path, weights_only=True)
+            self._restore(ckpt_path, weights_only=True, trust_pickled=trust_pickled)
         with self._stage(stage):
             if stage == "predict":
                 return evaluation.predict(self, loader)
@@ -613,7 +632,7 @@ class Trainer:
             raise ValueError(f"save_checkpoint(full=True): {problem}")
         self.checkpointer.save_full(self, os.fspath(path))
 
-    def _restore(self, ckpt_path: str, weights_only: bool = False) -> None:
+    def _restore(self, ckpt_path: str, weights_only: bool = False, trust_pickled: bool = False) -> None:
         from .checkpoint.load import restore
 
         if ckpt_path == "last":
@@ -622,7 +641,7 @@ class Trainer:
                 return  # nothing saved yet: start from scratch, as Lightning does
             ckpt_path = found
         self.ckpt_path = os.fspath(ckpt_path)
-        restore(self, self.ckpt_path, weights_only)
+        restore(self, self.ckpt_path, weights_only, trust_pickled)
 
     def _checkpoint_dirs(self) -> list[str]:
         """Where checkpoints go: the ModelCheckpoint's dirpath, or by default `<log_dir>/checkpoints`; a

@@ -18,7 +18,8 @@ A full file (one torch.save file) is that nested dict, with the tied names in "m
 
 DCP checks nothing it reads, so every item is checked against its CRC32 as it is read (`VerifiedReader`), and
 every file's size when a checkpoint is opened: a damaged file is named and refused, and a rank that reads only
-its own chunks checks only those.
+its own chunks checks only those. Every pickle in it (`.metadata`, the object items) is unpickled with an
+allow-list (unpickling.py): reading a checkpoint never runs code from it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
+
+from . import unpickling
+from .errors import CheckpointError
 
 FORMAT_VERSION = 2
 META_FILE = "meta.json"
@@ -48,11 +53,6 @@ BLOCK = 1 << 22
 # Loads always run in one process (no_dist: a rank plans its own reads), and saves do without a process group;
 # DCP warns about both on every call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read: incomplete, corrupted (a file fails its size or checksum check), of
-    another format version, or not a checkpoint. A `ValueError`."""
 
 
 def optim_key(index: int) -> str:
@@ -160,18 +160,26 @@ def check_files(path: str, meta: dict[str, Any]) -> None:
 
 # ---- reading ------------------------------------------------------------------------------------------------
 class VerifiedReader(FileSystemReader):
-    """DCP's file reader, checking each item it reads (and .metadata) against the CRC32s in meta.json."""
+    """DCP's file reader, checking each item it reads (and .metadata) against the CRC32s in meta.json. Object
+    items are unpickled by the load planner (planners.ShardLoadPlanner admits only the allow-list)."""
 
-    def __init__(self, path: str, meta: dict[str, Any]) -> None:
+    def __init__(self, path: str, meta: dict[str, Any], trust_pickled: bool = False) -> None:
         super().__init__(path)
-        self.directory, self.meta = os.fspath(path), meta
+        self.directory, self.meta, self.trust_pickled = os.fspath(path), meta, trust_pickled
         self._metadata = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """DCP's metadata, checked, and unpickled under the allow-list (DCP's own reader unpickles anything)."""
         if self._metadata is None:
-            with open(os.path.join(self.directory, DCP_METADATA), "rb") as f:
+            path = os.path.join(self.directory, DCP_METADATA)
+            with open(path, "rb") as f:
                 self._check(f, DCP_METADATA, 0, self.meta["files"][DCP_METADATA]["size"])
-            self._metadata = super().read_metadata()
+                f.seek(0)
+                metadata = unpickling.load_metadata(f, f"checkpoint file {path!r}", self.trust_pickled)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)  # as DCP's reader does
+            self._metadata = metadata
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:

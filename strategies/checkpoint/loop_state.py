@@ -35,22 +35,23 @@ def save(strategy: Strategy, path: str | os.PathLike, state: dict[str, Any]) -> 
     model_key, optimizers, objects = _split(strategy, state, "save")
     pieces = model_state.pieces(strategy, model_key, optimizers)
     if strategy.is_global_zero:
-        pieces.update({key: Pickled(_stored(value)) for key, value in objects.items()})
+        pieces.update({key: Pickled(_stored(value), key) for key, value in objects.items()})
         described = model_state.describe(strategy, strategy.engine.module, optimizers)
         described["optimizers"] = [{**d, "key": key} for d, (key, _, _) in zip(described["optimizers"], optimizers)]
-        pieces[META] = Pickled({**described, "model_key": model_key, "objects": sorted(objects)})
+        pieces[META] = Pickled({**described, "model_key": model_key, "objects": sorted(objects)}, META)
     step = state.get("step")
     summary = {"world_size": strategy.world_size, "global_step": step if isinstance(step, int) else -1}
     CheckpointWriter().save(pieces, path, summary)
 
 
-def load(strategy: Strategy, path: str | os.PathLike, state: dict[str, Any]) -> dict[str, Any]:
+def load(strategy: Strategy, path: str | os.PathLike, state: dict[str, Any],
+         trust_pickled: bool = False) -> dict[str, Any]:
     """Restore `state` in place from the checkpoint at `path` (of `save` or of the Trainer), resharded to this
     strategy and world size: the model and optimizers in place, objects with `load_state_dict` through it, other
     entries replaced in `state`. Returns every entry of the checkpoint that is not the model or an optimizer.
-    Collective."""
+    Objects are unpickled under the allow-list unless `trust_pickled`. Collective."""
     model_key, optimizers, objects = _split(strategy, state, "load")
-    source = open_source(path)
+    source = open_source(path, trust_pickled)
     meta = read_meta_item(source)
     _check_keys(source, path, [model_key, *(key for key, _, _ in optimizers), *objects])
     stored_objects = _top_level_objects(source, meta)

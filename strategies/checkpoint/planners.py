@@ -16,21 +16,31 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..sharding import FlatPieces
+from . import unpickling
 
 _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class Pickled:
-    """An object written as one DCP item: its torch.save bytes, which every DCP reader loads back as the object
-    (DCP would split a dict into one item per key, and drop empty ones)."""
+    """An object written as one DCP item under `key`: its torch.save bytes, which every DCP reader loads back as
+    the object (DCP would split a dict into one item per key, and drop empty ones). Saving warns if the object
+    holds types that loading admits only with trust_pickled=True."""
 
-    def __init__(self, obj: Any) -> None:
+    def __init__(self, obj: Any, key: str) -> None:
         self.data = io.BytesIO()
         torch.save(obj, self.data)
+        unpickling.warn_if_refused(obj, self.data, key)
 
 
 class ShardSavePlanner(DefaultSavePlanner):
@@ -83,11 +93,21 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 class ShardLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner over a state dict keyed as DCP stores it (None where an object is to be read),
-    plus FlatPieces targets (`shards`, by the same keys) read box by box."""
+    plus FlatPieces targets (`shards`, by the same keys) read box by box. Objects are unpickled under the
+    allow-list (DCP's planner unpickles anything); what it refuses is listed in `refused`, by key, for the
+    caller to raise once dcp.load is done (an error raised inside DCP's reader comes back wrapped)."""
 
-    def __init__(self, shards: dict[str, FlatPieces]) -> None:
+    def __init__(self, shards: dict[str, FlatPieces], trust_pickled: bool = False) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.shards = shards
+        self.shards, self.trust_pickled = shards, trust_pickled
+        self.refused: dict[str, tuple[Any, list[str]]] = {}  # key -> (storage index, types found)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            self.state_dict[fqn] = unpickling.load(value, f"item {fqn!r}", self.trust_pickled)
+        except unpickling.Refused as refused:
+            self.refused[fqn] = (read_item.storage_index, refused.found)
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()

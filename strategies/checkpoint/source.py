@@ -15,19 +15,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..sharding import FlatPieces
-from . import format
+from . import format, unpickling
 from .format import META, MODEL, RNG, TRAINER, CheckpointError
 from .planners import ShardLoadPlanner
 
 
 class DirectorySource:
-    """A DCP checkpoint directory; each rank reads only what it asks for, every item checked (format.py)."""
+    """A DCP checkpoint directory; each rank reads only what it asks for, every item checked (format.py) and
+    every object unpickled under the allow-list (unpickling.py) unless `trust_pickled`."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, trust_pickled: bool = False) -> None:
+        self.path, self.trust_pickled = path, trust_pickled
         self.meta_json = format.read_meta(path)
         format.check_files(path, self.meta_json)
-        self.reader = format.VerifiedReader(path, self.meta_json)
+        self.reader = format.VerifiedReader(path, self.meta_json, trust_pickled)
         metadata = self.reader.read_metadata()
         self.paths = {key: tuple(metadata.planner_data.get(key, (key,))) for key in metadata.state_dict_metadata}
         self.tensors = {
@@ -39,18 +40,30 @@ class DirectorySource:
     def read(self, plain: dict[str, Any], shards: dict[str, FlatPieces] | None = None) -> dict[str, Any]:
         """Fill the tensors of `plain` and `shards` in place; returns `plain` with its None values (objects) read."""
         state = dict(plain)
+        planner = ShardLoadPlanner(shards or {}, self.trust_pickled)
         with format.unwrapped():
-            dcp.load(state, storage_reader=self.reader, planner=ShardLoadPlanner(shards or {}), no_dist=True)
+            dcp.load(state, storage_reader=self.reader, planner=planner, no_dist=True)
+        if planner.refused:
+            raise self._refused(planner.refused)
         return state
+
+    def _refused(self, refused: dict[str, tuple[Any, list[str]]]) -> unpickling.Refused:
+        where = "; ".join(f"{key!r} in {self.reader.storage_data[index].relative_path}"
+                          for key, (index, _) in sorted(refused.items()))
+        found = sorted({name for _, names in refused.values() for name in names})
+        return unpickling.Refused(f"checkpoint {self.path!r} (item {where})", found)
 
 
 class FileSource:
-    """One torch.save file, memory-mapped: a rank touches only the pages of what it reads."""
+    """One torch.save file, memory-mapped: a rank touches only the pages of what it reads. Unpickled under the
+    allow-list (unpickling.py) unless `trust_pickled`."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, trust_pickled: bool = False) -> None:
         self.path = path
         try:
-            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            loaded = unpickling.load(path, f"checkpoint file {path!r}", trust_pickled, map_location="cpu", mmap=True)
+        except CheckpointError:
+            raise
         except Exception as error:
             message = f"checkpoint file {path!r} cannot be read (truncated or not a checkpoint): {error}"
             raise CheckpointError(message) from error
@@ -85,9 +98,11 @@ class FileSource:
 Source = DirectorySource | FileSource
 
 
-def open_source(path: str | os.PathLike) -> Source:
+def open_source(path: str | os.PathLike, trust_pickled: bool = False) -> Source:
+    """The checkpoint at `path`, a file or a directory. `trust_pickled`: unpickle whatever it holds (only for a
+    checkpoint whose writer is trusted); otherwise only the allow-list of unpickling.py."""
     path = os.fspath(path)
-    return FileSource(path) if os.path.isfile(path) else DirectorySource(path)
+    return FileSource(path, trust_pickled) if os.path.isfile(path) else DirectorySource(path, trust_pickled)
 
 
 def leaves(state: Mapping[str, Any]) -> Iterator[tuple[tuple, Any]]:

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.utils._pytree import tree_map
 
 from ..sharding import FlatPieces
-from . import files, format
+from . import files, format, unpickling
 from .planners import ShardSavePlanner
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,9 @@ def _storage_data(metadata: Any, staging: str) -> dict[Any, Any]:
     (newer releases on the returned one), so it is then read from the .metadata file the save wrote."""
     if metadata.storage_data is not None:
         return metadata.storage_data
-    return FileSystemReader(staging).read_metadata().storage_data
+    path = os.path.join(staging, format.DCP_METADATA)
+    with open(path, "rb") as f:  # as every .metadata is read: under the allow-list
+        return unpickling.load_metadata(f, f"checkpoint file {path!r}").storage_data
 
 
 def _checkpoint_group() -> Any:

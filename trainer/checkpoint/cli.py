@@ -21,7 +21,7 @@ def _size(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     """The command line `python -m trainer.checkpoint`: `consolidate CHECKPOINT OUT [--with-optimizer]` (see
     `consolidate`) and `export CHECKPOINT OUT_DIR [--prefix P] [--max-shard-size 5GB] [--ema] [--trainable-only]`
-    (see `export_safetensors`).
+    (see `export_safetensors`); both take `--trust-pickled` (see `trust_pickled` there).
 
     Args:
         argv: the arguments; `None` for `sys.argv[1:]`.
@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="the moving average of callbacks.EMA instead of the trained weights")
     export.add_argument("--trainable-only", action="store_true",
                         help="only the parameters that were trained (requires_grad), e.g. a LoRA adapter")
+    for command in (merge, export):
+        command.add_argument("--trust-pickled", action="store_true",
+                             help="unpickle whatever the checkpoint holds, not only tensors and plain data: only for "
+                                  "a checkpoint whose writer you trust (unpickling can run code)")
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -54,10 +58,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(args: argparse.Namespace) -> None:
     if args.command == "consolidate":
-        consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer)
+        consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer, trust_pickled=args.trust_pickled)
         print(f"wrote {args.out}")
         return
     left_out = export_safetensors(args.checkpoint, args.out_dir, args.prefix, args.max_shard_size, ema=args.ema,
-                                  trainable_only=args.trainable_only)
+                                  trainable_only=args.trainable_only, trust_pickled=args.trust_pickled)
     note = f" (left out, not under {args.prefix!r}: {', '.join(left_out)})" if left_out else ""
     print(f"wrote {args.out_dir}{note}")

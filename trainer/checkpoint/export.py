@@ -37,7 +37,8 @@ SAFETENSORS_DTYPES = {
 
 
 # ---- one plain file ----------------------------------------------------------------------------------------
-def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer: bool = False) -> None:
+def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer: bool = False,
+                trust_pickled: bool = False) -> None:
     """Write any checkpoint as one plain file that `torch.load` reads, in one process.
 
     The file is streamed: tensors are read and written a batch at a time, so the whole model is never held in
@@ -48,13 +49,15 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer:
         out: the file to write.
         with_optimizer: write everything (the same as `save_checkpoint(path, full=True)` writes) instead of only
             the model's state dict.
+        trust_pickled: unpickle whatever the checkpoint holds (only for a checkpoint whose writer you trust).
 
     Raises:
         FileNotFoundError: if `path` is neither a file nor an existing directory.
         CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
-            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+            of another format version, or a file that holds neither a state dict nor a full checkpoint; without
+            `trust_pickled`, if what it reads holds pickled objects of types outside the allow-list.
     """
-    source = open_source(path)
+    source = open_source(path, trust_pickled)
     meta = read_meta_item(source)
     tied = tied_keys(meta)  # a full file holds them: tied again
     keys = [k for k, p in source.paths.items() if k not in tied and (with_optimizer or p[0] in (MODEL, META))]
@@ -64,7 +67,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer:
     nested = assemble(source, {**objects, **placeholders})
     skeleton = nested if with_optimizer else nested[MODEL]
     where = {k: source.paths[k] if with_optimizer else source.paths[k][1:] for k in placeholders}
-    writer = StreamedFullFile(out, skeleton, set(where.values()))
+    writer = StreamedFullFile(out, skeleton, set(where.values()), trust_pickled)
     del skeleton, nested
     try:
         for batch in _batches(source, list(placeholders)):
@@ -96,7 +99,8 @@ def _batches(source: Source, keys: list[str]) -> Iterator[dict[str, torch.Tensor
 
 # ---- safetensors out -----------------------------------------------------------------------------------------
 def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "",
-                       max_shard_size: int = 5 * 10**9, ema: bool = False, trainable_only: bool = False) -> list[str]:
+                       max_shard_size: int = 5 * 10**9, ema: bool = False, trainable_only: bool = False,
+                       trust_pickled: bool = False) -> list[str]:
     """Write a checkpoint's weights as safetensors in HuggingFace's layout, in one process, a batch at a time.
 
     The output is `model.safetensors` or, above `max_shard_size` bytes, `model-0000k-of-0000n.safetensors` files
@@ -110,6 +114,7 @@ def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, pref
         max_shard_size: the most bytes per file.
         ema: write `callbacks.EMA`'s average in place of each parameter it averages.
         trainable_only: write only the parameters that were trained (an adapter's, say).
+        trust_pickled: unpickle whatever the checkpoint holds (only for a checkpoint whose writer you trust).
 
     Returns:
         The names left out for not starting with `prefix`.
@@ -117,11 +122,12 @@ def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, pref
     Raises:
         FileNotFoundError: if `path` is neither a file nor an existing directory.
         CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
-            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+            of another format version, or a file that holds neither a state dict nor a full checkpoint; without
+            `trust_pickled`, if what it reads holds pickled objects of types outside the allow-list.
         ValueError: with `ema=True`, if the checkpoint holds no EMA weights; with `trainable_only=True`, if it
             does not record which parameters were trainable; for a dtype safetensors does not have.
     """
-    source = open_source(path)
+    source = open_source(path, trust_pickled)
     meta = read_meta_item(source)
     reads = {source.paths[k][1]: read for k, read in weight_keys(source, meta, path, ema).items()
              if k in source.tensors}

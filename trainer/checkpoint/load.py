@@ -1,6 +1,7 @@
 """Loading: into a running trainer, each rank reading only the chunks that overlap its own pieces (after the
 checkpoint was checked against the model, every difference listed at once), or in full in one process with no
-process group (`load_full_state_dict`, `load_checkpoint`)."""
+process group (`load_full_state_dict`, `load_checkpoint`). Every entry point unpickles under the allow-list of
+strategies/checkpoint/unpickling.py unless given `trust_pickled=True`."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ if TYPE_CHECKING:
     from ..trainer import Trainer
 
 
-def restore(trainer: Trainer, path: str, weights_only: bool) -> None:
+def restore(trainer: Trainer, path: str, weights_only: bool, trust_pickled: bool = False) -> None:
     """Load a checkpoint (a directory or a full file) into `trainer`, after checking that all of it fits."""
-    source = open_source(path)
+    source = open_source(path, trust_pickled)
     meta = read_meta_item(source)
     same_world = meta.get("world_size") == trainer.world_size
     tops = set() if weights_only else {TRAINER, *([f"{RNG}.{trainer.global_rank}"] if same_world else [])}
@@ -59,7 +60,8 @@ def check_compatible(
 
 
 # ---- in one process ----------------------------------------------------------------------------------------
-def load_full_state_dict(path: str | os.PathLike, ema: bool = False) -> dict[str, torch.Tensor]:
+def load_full_state_dict(path: str | os.PathLike, ema: bool = False,
+                         trust_pickled: bool = False) -> dict[str, torch.Tensor]:
     """The plain model state dict from any checkpoint this project writes, in one process with no process group.
 
     Works for a checkpoint directory written under any strategy and world size, a full file
@@ -70,6 +72,8 @@ def load_full_state_dict(path: str | os.PathLike, ema: bool = False) -> dict[str
         path: the checkpoint directory or file.
         ema: read the moving average of `callbacks.EMA` in place of each parameter it averages (the frozen
             parameters and the buffers keep their trained values).
+        trust_pickled: unpickle whatever the checkpoint holds. Only for a checkpoint whose writer you trust:
+            unpickling can run code. By default only tensors, plain data and the project's state types are read.
 
     Returns:
         The state dict, in the model's `state_dict()` order, for `model.load_state_dict`.
@@ -77,7 +81,8 @@ def load_full_state_dict(path: str | os.PathLike, ema: bool = False) -> dict[str
     Raises:
         FileNotFoundError: if `path` is neither a file nor an existing directory.
         CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
-            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+            of another format version, or a file that holds neither a state dict nor a full checkpoint; without
+            `trust_pickled`, if what it reads holds pickled objects of other types (named, with where).
         ValueError: with `ema=True`, if the checkpoint holds no EMA weights.
 
     Example:
@@ -85,7 +90,7 @@ def load_full_state_dict(path: str | os.PathLike, ema: bool = False) -> dict[str
         model.load_state_dict(load_full_state_dict("runs/version_0/checkpoints/last"))
         ```
     """
-    source = open_source(path)
+    source = open_source(path, trust_pickled)
     meta = read_meta_item(source)
     keys = weight_keys(source, meta, path, ema)
     values = source.read({k: _empty(source.tensors[k]) if k in source.tensors else None for k in set(keys.values())})
@@ -107,13 +112,15 @@ def weight_keys(source: Source, meta: dict[str, Any], path: Any, ema: bool = Fal
     return {k: averaged.get(source.paths[k][1], k) for k in keys}
 
 
-def load_checkpoint(path: str | os.PathLike, weights_only: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, weights_only: bool = False,
+                    trust_pickled: bool = False) -> dict[str, Any]:
     """A whole checkpoint in one process, as the nested dict a full file holds. Every item is checked as it is
     read.
 
     Args:
         path: the checkpoint directory or file.
         weights_only: read only `"model"` and `"meta"`.
+        trust_pickled: unpickle whatever the checkpoint holds (only for a checkpoint whose writer you trust).
 
     Returns:
         A dict with what the checkpoint has of `"model"` (the state dict, tied names too), `"optim"` (and
@@ -123,9 +130,10 @@ def load_checkpoint(path: str | os.PathLike, weights_only: bool = False) -> dict
     Raises:
         FileNotFoundError: if `path` is neither a file nor an existing directory.
         CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
-            of another format version, or a file that holds neither a state dict nor a full checkpoint.
+            of another format version, or a file that holds neither a state dict nor a full checkpoint; without
+            `trust_pickled`, if it holds pickled objects of types outside the allow-list.
     """
-    source = open_source(path)
+    source = open_source(path, trust_pickled)
     meta = read_meta_item(source)
     tied = tied_keys(meta)  # a full file holds them: tied again below
     wanted = [k for k, p in source.paths.items() if k != META and k not in tied and (p[0] == MODEL or not weights_only)]
@@ -138,12 +146,13 @@ def tied_keys(meta: dict[str, Any]) -> set[str]:
     return {f"{MODEL}.{alias}" for alias in meta.get("aliases", {})}
 
 
-def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+def load_trainer_state(path: str | os.PathLike, trust_pickled: bool = False) -> dict[str, Any]:
     """The trainer state of a checkpoint (epoch, step, schedulers, callbacks' state, hyperparameters, ...), in
     one process.
 
     Args:
         path: the checkpoint directory or full file.
+        trust_pickled: unpickle whatever the checkpoint holds (only for a checkpoint whose writer you trust).
 
     Returns:
         The trainer state dict rank 0 saved.
@@ -152,9 +161,10 @@ def load_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError: if `path` is neither a file nor an existing directory.
         CheckpointError: if the checkpoint is incomplete, corrupted (a file fails its size or checksum check),
             of another format version, or a file that holds neither a state dict nor a full checkpoint.
-            Also if it holds weights only (a plain state dict), with no trainer state to read.
+            Also if it holds weights only (a plain state dict), with no trainer state to read; without
+            `trust_pickled`, if it holds pickled objects of types outside the allow-list.
     """
-    source = open_source(path)
+    source = open_source(path, trust_pickled)
     if not model_state.object_keys(source, {TRAINER}):
         raise CheckpointError(f"{os.fspath(path)!r} holds weights only: there is no trainer state to read (a "
                               "checkpoint directory or trainer.save_checkpoint(path, full=True) has one)")

@@ -24,10 +24,10 @@ def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
     """This rank's nested state dict for DCP: its pieces of the model and optimizer state and its RNG states;
     on rank 0 also the buffers, the parameter groups, the trainer state and the meta description."""
     state = model_state.pieces(trainer.strategy, MODEL, optimizers(trainer))
-    state[RNG] = {str(trainer.global_rank): Pickled(rng_state())}
+    state[RNG] = {str(trainer.global_rank): Pickled(rng_state(), f"{RNG}.{trainer.global_rank}")}
     state.update(callbacks_sharded_state(trainer))  # before the callbacks' state_dict, which may follow it
     if trainer.is_global_zero:
-        state[TRAINER], state[META] = Pickled(trainer_state(trainer)), Pickled(meta(trainer))
+        state[TRAINER], state[META] = Pickled(trainer_state(trainer), TRAINER), Pickled(meta(trainer), META)
     return state
 
 
@@ -81,7 +81,7 @@ class Saver:
         error = None
         if strategy.is_global_zero:
             try:
-                consolidate(directory, path, with_optimizer=True)
+                consolidate(directory, path, with_optimizer=True, trust_pickled=True)  # this run's own, just written
             except Exception as raised:
                 error = raised
             files.remove(directory)

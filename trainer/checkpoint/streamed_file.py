@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from strategies.checkpoint import unpickling
+
 
 class StreamedFullFile:
     """A torch.save file written while its tensors are still being read.
@@ -19,16 +21,18 @@ class StreamedFullFile:
     `skeleton` is the checkpoint with every tensor present at its final shape and dtype (the big ones may be
     uninitialised placeholders). torch.save writes its structure with the tensor bytes left blank
     (torch.serialization.skip_data); `fill(key, tensor)` then writes a tensor's bytes where torch.load reads
-    them; `commit` checks that every placeholder was filled and renames the file into place.
+    them; `commit` checks that every placeholder was filled and renames the file into place. The structure is
+    read back under the checkpoint allow-list unless `trust_pickled` (a skeleton from a trusted checkpoint).
     Keys are paths into the skeleton: ("model", name), ("optim", "state", name, "exp_avg"), ...
     """
 
-    def __init__(self, path: str | os.PathLike, skeleton: Any, placeholders: set[tuple]) -> None:
+    def __init__(self, path: str | os.PathLike, skeleton: Any, placeholders: set[tuple],
+                 trust_pickled: bool = False) -> None:
         self.path = os.fspath(path)
         self.tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
         with torch.serialization.skip_data():
             torch.save(skeleton, self.tmp)
-        self.offsets = _tensor_offsets(self.tmp)
+        self.offsets = _tensor_offsets(self.tmp, trust_pickled)
         # by offset: tied entries share their bytes, so filling one fills all of them
         self.unfilled = {self.offsets[key]: key for key in placeholders if key in self.offsets}
         self.fd = os.open(self.tmp, os.O_WRONLY)
@@ -70,11 +74,11 @@ def _tensor_leaves(obj: Any, key: tuple = ()) -> Iterator[tuple[tuple, torch.Ten
             yield from _tensor_leaves(value, (*key, i))
 
 
-def _tensor_offsets(path: str) -> dict[tuple, int]:
+def _tensor_offsets(path: str, trust_pickled: bool) -> dict[tuple, int]:
     """Where each tensor's bytes lie in a torch.save file. torch.load(mmap=True) maps the whole file and makes
     every storage a view at its record's offset, so a tensor's address less the mapping's start is its offset;
     the mapping's start follows from the first data record, whose offset the zip directory gives."""
-    loaded = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+    loaded = unpickling.load(path, f"file {path!r}", trust_pickled, mmap=True, map_location="cpu")
     addresses = {
         key: t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
         for key, t in _tensor_leaves(loaded)
