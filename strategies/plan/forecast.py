@@ -89,6 +89,8 @@ class Timeline:
         start = max(self.free[stream], self.now if at is None else at)
         self.free[stream] = start + seconds
         self.comm_s += seconds
+        if not self.hardware.comm_overlaps_compute:  # the cores that compute carry it: compute waits
+            self.now = max(self.now, self.free[stream])
         return self.free[stream]
 
     def compute(self, seconds: float, ready: float = 0.0) -> None:

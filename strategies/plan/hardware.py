@@ -39,6 +39,8 @@ class Hardware:
     intra_node: Link
     inter_node: Link
     sources: list[str] = field(default_factory=list)
+    # False where collectives run on the cores that compute (gloo on CPU): they add to the step instead of hiding
+    comm_overlaps_compute: bool = True
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         name = str(dtype).removeprefix("torch.")
@@ -111,7 +113,9 @@ HARDWARE: dict[str, Hardware] = {
         op_overhead=10e-6,
         intra_node=Link(1.5e9, 60e-6),
         inter_node=Link(1e9, 100e-6),
-        sources=["rough figures of a 2-core CI machine, one core per rank (assumed); calibrate with --measure"],
+        sources=["rough figures of a 2-core CI machine, one core per rank (assumed); calibrate with --measure",
+                 "gloo's collectives use the same cores as compute: nothing overlaps"],
+        comm_overlaps_compute=False,
     ),
 }
 

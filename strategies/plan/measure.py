@@ -157,7 +157,8 @@ def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) 
                           {"float32": rates["float32"], "bfloat16": rates["bfloat16"], "float16": rates["bfloat16"]},
                           memory_bandwidth=rates["memory"], op_overhead=rates["overhead"],
                           attention_fraction=min(1.0, rates["attention_fraction"]),
-                          sources=["measured by python -m strategies.plan --measure on this machine"])
+                          sources=["measured by python -m strategies.plan --measure on this machine"],
+                          comm_overlaps_compute=device.type == "cuda")
         profile = _calibrated(profile, model, args, device)
     finally:
         torch.set_num_threads(previous)
