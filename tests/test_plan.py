@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from strategies.plan import FORECAST_KEYS, STRATEGY_ORDER, MemoryPlan, StrategyMemory, model_state_bytes, parse_bytes, plan_memory
+from strategies.plan import (
+    FORECAST_KEYS,
+    STRATEGY_ORDER,
+    MemoryPlan,
+    StrategyMemory,
+    model_state_bytes,
+    parse_bytes,
+    plan_memory,
+)
 from strategies.plan.__main__ import main as plan_main
 from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions
 from tests.test_parity import VOCAB, Block, TiedLM, token_dataset

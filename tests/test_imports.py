@@ -1,0 +1,95 @@
+"""The packages' imports point down (trainer -> strategies -> strategies/sharding -> torch; callbacks see the Trainer,
+never the engine) and no module imports another in a circle. Annotation-only imports (under TYPE_CHECKING) do not
+count; an import inside a function does: a circle hidden in a function is still a circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("trainer", "strategies", "callbacks")
+MUST_NOT_IMPORT = {  # package prefix -> prefixes it may never import
+    "strategies": ("trainer", "callbacks"),
+    "strategies.sharding": ("strategies.plan", "strategies.checkpoint", "trainer", "callbacks"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The project modules `path` imports at run time."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+    known = {module_name(p) for p in paths}
+    return {module_name(p): imports_of(p, known) for p in paths}
+
+
+def test_imports_point_down():
+    wrong = []
+    for module, imported in import_graph().items():
+        for prefix, forbidden in MUST_NOT_IMPORT.items():
+            if module == prefix or module.startswith(prefix + "."):
+                wrong += [f"{module} imports {m}" for m in imported
+                          if any(m == f or m.startswith(f + ".") for f in forbidden)]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_module_imports_another_in_a_circle():
+    graph = import_graph()
+    # a package's __init__ re-exports its modules; a module importing its own package's names through the
+    # __init__ is the usual Python idiom, not a circle of concepts: only module -> module edges count
+    edges = {m: {i for i in imported if not (m.startswith(i + ".") and i in graph)} for m, imported in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for other in sorted(edges[module]):
+            if state.get(other) == 1:
+                circles.append(stack[stack.index(other):] + [other])
+            elif other not in state:
+                visit(other)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
