@@ -31,6 +31,7 @@ from .link import collective_seconds
 if TYPE_CHECKING:
     from .model_state import PlannedUnit
 
+SMALL_UNIT_FRACTION = 0.125  # the engine prefetches through units smaller than this share of the largest
 REDUCTION_SLACK = 0.25  # the engine's bound on unreduced gradient bytes in flight, over the largest unit's
 FORECAST_KEYS = ("step_s", "tokens_per_s_per_rank", "mfu", "exposed_comm_s")
 
@@ -112,6 +113,18 @@ def backward_segments(cost: ComputeCost) -> list[tuple[str, float]]:
     return [(owner, cost.backward * seconds / total) for owner, seconds in reversed(cost.forward)]
 
 
+def prefetch_window(sequence: list[str], start: int, by_name: dict[str, PlannedUnit]) -> list[str]:
+    """The units the engine gathers ahead from `start`: up to and including the first that is not small (a
+    normalization unit of a few thousand elements would otherwise be all the look-ahead there is)."""
+    largest = max(u.layout.padded_total for u in by_name.values())
+    window = []
+    for name in sequence[start:]:
+        window.append(name)
+        if by_name[name].layout.padded_total >= SMALL_UNIT_FRACTION * largest:
+            break
+    return window
+
+
 class Reductions:
     """Sharded-gradient reductions in flight, as the engine bounds them: after launching one, it waits for the
     oldest while the unreduced bytes in flight exceed the largest unit's by more than REDUCTION_SLACK."""
@@ -161,13 +174,12 @@ def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], h
         for i, (unit, seconds) in enumerate(segments):
             if unit not in ready:
                 ready[unit] = line.issue("all_gather", gather_bytes(by_name[unit]), shard)
-            if unit not in started and unit in sequence:  # prefetch the next unit when this one starts
+            if unit not in started and unit in sequence:  # prefetch the next units when this one starts
                 started.add(unit)
-                following = sequence.index(unit) + 1
-                if following < len(sequence) and sequence[following] not in ready:
-                    nxt = sequence[following]
-                    ready[nxt] = line.issue("all_gather", gather_bytes(by_name[nxt]), shard,
-                                            at=max(line.now, ready[unit]))
+                for nxt in prefetch_window(sequence, sequence.index(unit) + 1, by_name):
+                    if nxt not in ready:
+                        ready[nxt] = line.issue("all_gather", gather_bytes(by_name[nxt]), shard,
+                                                at=max(line.now, ready[unit]))
             line.compute(seconds, ready[unit])
             if phase == "backward" and unit != "" and last_segment[unit] == i:
                 reduce(by_name[unit])
