@@ -26,7 +26,7 @@ LIGHTNING_ONLY_TRAINER = {
     "inference_mode": True, "detect_anomaly": False, "barebones": False, "plugins": None,
     "reload_dataloaders_every_n_epochs": 0, "enable_autolog_hparams": True, "model_registry": None,
 }
-LIGHTNING_ONLY_METHOD = {"verbose": True, "return_predictions": None}  # validate/test and predict's
+LIGHTNING_ONLY_METHOD = {"verbose": True, "return_predictions": None, "weights_only": None}  # of its methods
 
 
 class ConfigError(ValueError):
@@ -37,8 +37,12 @@ class KeyIndex:
     """The keys one (sub)command's parser accepts: leaves (arguments) and the groups above them."""
 
     def __init__(self, parser: Any) -> None:
-        self.actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config", "print_config")}
+        skip = ("help", "config", "print_config")
+        actions = [a for a in parser._actions if a.dest not in skip]
+        # a group's own `--trainer CONFIG` action (sub_configs) is the group, not an argument
+        self.actions = {a.dest: a for a in actions if type(a).__name__ != "_ActionConfigLoad"}
         self.groups = {".".join(k.split(".")[:i]) for k in self.actions for i in range(1, k.count(".") + 1)}
+        self.groups |= {a.dest for a in actions if type(a).__name__ == "_ActionConfigLoad"}
 
     def all_keys(self) -> list[str]:
         return sorted(set(self.actions) | self.groups)
@@ -228,7 +232,7 @@ def explain_parse_error(error: Exception, index: KeyIndex, sources: Sources) -> 
     key = found.group(1)
     action = index.actions.get(key)
     expected = _type_name(getattr(action, "_typehint", None)) if action is not None else None
-    given = re.search(r"Given value: (.*)", message)
+    given = re.search(r"(?:Given value|Got value): (.*)", message)
     value = f" = {given.group(1).strip()}" if given else ""
     head = f"{key}{value} ({sources.where(key)})"
     detail = "\n  ".join(line.strip() for line in message.splitlines()[1:] if line.strip())

@@ -27,7 +27,7 @@ from ..module import TrainModule
 from ..seed import seed_everything
 from ..trainer import Trainer, checkpoint_dirs
 from .checks import ConfigError, KeyIndex, check_sources, explain_parse_error
-from .saved import CONFIG_FILENAME, SaveConfigCallback, saved_config_of
+from .saved import CONFIG_FILENAME, SaveConfigCallback, instantiate, saved_config_of
 from .sources import PRECEDENCE, Sources, split_command_line
 
 # The Trainer methods, and their arguments that are objects rather than configuration (as LightningCLI skips them)
@@ -206,7 +206,7 @@ class CLI:
         small = ArgumentParser(exit_on_error=False)
         small.add_argument("--callbacks", type=list[Callback] | None)
         small.add_argument("--logger", type=bool | Logger | list[Logger] | None)
-        built = small.instantiate_classes(small.parse_object(values))
+        built = instantiate(small, small.parse_object(values))
         given = list(built.callbacks or []) + list(_as_list(self.trainer_defaults.get("callbacks")))
         checkpoint = next((cb for cb in given if isinstance(cb, ModelCheckpoint)), None)
         root = os.fspath(section.get("default_root_dir") or "runs")
@@ -233,7 +233,7 @@ class CLI:
 
     def instantiate_classes(self) -> None:
         """Build the model, the datamodule and the Trainer from the config (`config_init`)."""
-        self.config_init = self.parser.instantiate_classes(self.config)
+        self.config_init = instantiate(self.parser, self.config)
         section = self._section(self.config_init)
         self.model, self.datamodule = section.get("model"), section.get("data")
         self._add_configure_optimizers(section)

@@ -18,6 +18,21 @@ from .sources import PRECEDENCE
 CONFIG_FILENAME = "config.yaml"
 
 
+def dump(parser: Any, config: Any) -> str:
+    """The config as YAML with every key, None values included (jsonargparse 4.49 renamed skip_none)."""
+    import jsonargparse
+
+    major, minor = (int(part) for part in jsonargparse.__version__.split(".")[:2])
+    keep = {"skip_unset": False} if (major, minor) >= (4, 49) else {"skip_none": False}
+    return parser.dump(config, **keep)
+
+
+def instantiate(parser: Any, config: Any) -> Any:
+    """The objects the config describes (jsonargparse 4.49 renamed instantiate_classes)."""
+    method = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    return method(config)
+
+
 def header(command: list[str]) -> str:
     """The comment lines above a saved config: what made it and in which order the sources count."""
     shown = " ".join(command) if command else "(no arguments)"
@@ -61,7 +76,7 @@ class SaveConfigCallback(Callback):
 
     def text(self) -> str:
         """The config file's contents: the header, then the YAML."""
-        return header(self.command) + self.parser.dump(self.config, skip_none=False)
+        return header(self.command) + dump(self.parser, self.config)
 
     def setup(self, trainer: Any, module: Any, stage: str) -> None:
         if self.already_saved:
@@ -80,7 +95,7 @@ class SaveConfigCallback(Callback):
         if problem is not None:
             raise RuntimeError(problem)
         if trainer.is_global_zero:
-            values = yaml.safe_load(self.parser.dump(self.config, skip_none=False)) or {}
+            values = yaml.safe_load(dump(self.parser, self.config)) or {}
             for logger in trainer.loggers:
                 logger.log_hyperparams(values)
             self.save_config(trainer, module, stage)
