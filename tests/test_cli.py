@@ -221,3 +221,19 @@ def test_jsonargparse_is_an_optional_dependency_named_when_missing(monkeypatch):
     monkeypatch.setitem(sys.modules, "jsonargparse", None)
     with pytest.raises(ImportError, match=r'pip install "shardtrain\[cli\]"'):
         importlib.import_module("trainer.cli")
+
+
+def test_subclass_mode_takes_class_path_and_init_args(tmp_path, capsys):
+    config = tmp_path / "subclass.yaml"
+    config.write_text("model:\n  class_path: tests.scripts.cli_regression.Regressor\n  init_args:\n    hidden: 3\n"
+                      "data:\n  class_path: tests.scripts.cli_regression.RegressionData\n")
+    args = ["fit", "--config", str(config), "--model.init_args.lr", "0.2", "--print_config"]
+    with pytest.raises(SystemExit):
+        CLI(args=args, parser_kwargs={"exit_on_error": False})  # no classes given: any TrainModule / DataModule
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["class_path"] == "tests.scripts.cli_regression.Regressor"
+    assert printed["model"]["init_args"] == {"hidden": 3, "lr": 0.2}
+    with pytest.raises(ConfigError, match=r"unknown key 'model.init_args.hiden' \(the command line flag "
+                                          r"--model.init_args.hiden\): Regressor takes no argument 'hiden'"):
+        CLI(script.Regressor, script.RegressionData, subclass_mode_model=True, parser_kwargs={"exit_on_error": False},
+            args=["fit", "--model", "Regressor", "--model.init_args.hiden", "4"])
