@@ -122,9 +122,15 @@ class WandbLogger(Logger):
         self._id = value
 
     @property
+    def root_dir(self) -> str:
+        """`<save_dir>/<project>`: the folder of the runs' folders (a resumed training looks for its last
+        checkpoint in all of them)."""
+        return os.path.join(self._save_dir, self._project)
+
+    @property
     def log_dir(self) -> str:
         """`<save_dir>/<project>/<id>`: where the run's checkpoints go by default (as Lightning puts them)."""
-        return os.path.join(self._save_dir, self._project, str(self.version))
+        return os.path.join(self.root_dir, str(self.version))
 
     def state_dict(self) -> dict[str, Any]:
         return {"id": self.version}

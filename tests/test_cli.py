@@ -237,3 +237,10 @@ def test_subclass_mode_takes_class_path_and_init_args(tmp_path, capsys):
                                           r"--model.init_args.hiden\): Regressor takes no argument 'hiden'"):
         CLI(script.Regressor, script.RegressionData, subclass_mode_model=True, parser_kwargs={"exit_on_error": False},
             args=["fit", "--model", "Regressor", "--model.init_args.hiden", "4"])
+
+
+def test_run_false_builds_the_objects_without_subcommands():
+    built = CLI(script.Regressor, script.RegressionData, run=False, parser_kwargs={"exit_on_error": False},
+                args=["--model.hidden", "3", "--trainer.max_epochs", "1", "--trainer.logger", "false"])
+    assert built.model.net[0].out_features == 3 and built.trainer.max_epochs == 1
+    assert built.trainer.global_step == 0 and built.subcommand is None

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader
 
-from callbacks import ModelCheckpoint, WandbLogger
+from callbacks import WandbLogger
 from tests.test_loggers import Logged
 from tests.test_parity import new_model, token_dataset
 from trainer import Trainer
@@ -96,14 +96,13 @@ def test_metrics_at_their_steps_and_hyperparameters_from_rank_0_only(rank_pool, 
 
 def test_resumed_training_continues_the_same_run(tmp_path, monkeypatch):
     offline_environment(str(tmp_path), monkeypatch.setenv)
-    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
     first = WandbLogger(project="shardtrain", save_dir=str(tmp_path), offline=True)
-    Trainer(max_steps=2, log_every_n_steps=1, logger=first, callbacks=[ckpt], enable_progress_bar=False,
+    Trainer(max_steps=2, log_every_n_steps=1, logger=first, enable_progress_bar=False,
             enable_model_summary=False).fit(new_model(Logged), DataLoader(token_dataset(), batch_size=2))
+    assert list((tmp_path / "shardtrain" / first.version / "checkpoints").iterdir())  # Lightning's place
     again = WandbLogger(project="shardtrain", save_dir=str(tmp_path), offline=True)  # no id given
-    trainer = Trainer(max_steps=4, log_every_n_steps=1, logger=again,
-                      callbacks=[ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)],
-                      enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(max_steps=4, log_every_n_steps=1, logger=again, enable_progress_bar=False,
+                      enable_model_summary=False)
     trainer.fit(new_model(Logged), DataLoader(token_dataset(), batch_size=2), ckpt_path="last")
     assert again.version == first.version  # the id came from the checkpoint
     runs = [read_run(path) for path in run_files(tmp_path)]

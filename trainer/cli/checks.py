@@ -97,6 +97,8 @@ def _check_mapping(index: KeyIndex, file: ConfigFile, mapping: dict, prefix: str
             kept[name] = _check_mapping(index, file, value, key + ".")
         elif key in index.groups and value is None:
             continue  # an empty section
+        elif key in index.groups:
+            kept[name] = value  # a section given as a file of its own (`model: model.yaml`): jsonargparse reads it
         elif str(name).startswith("__"):
             kept[name] = value
         else:
@@ -148,7 +150,7 @@ def _check_flag(index: KeyIndex, sources: Sources, flag: Any) -> None:
         raise _unsupported(key, flag.value, flag.where()) or index.unknown(key, flag.where())
     rest = key[len(leaf) + 1 :].split(".")
     rest = rest[1:] if rest[0] == "init_args" else rest
-    if rest[0] in SUBCLASS_KEYS or not rest:
+    if not rest or rest[0] in SUBCLASS_KEYS:
         return
     cls = resolve_class(_class_path_given(sources, leaf), index.actions[leaf])
     accepted = init_arguments(cls)

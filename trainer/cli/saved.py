@@ -85,7 +85,7 @@ class SaveConfigCallback(Callback):
         trainer.checkpointer.texts[self.config_filename] = text  # every checkpoint directory of this run
         problem = None
         if self.save_to_log_dir and trainer.is_global_zero:
-            path = os.path.join(trainer.log_dir, self.config_filename)
+            path = os.path.join(trainer.log_dir or trainer.default_root_dir, self.config_filename)
             if os.path.isfile(path) and not self.overwrite:
                 problem = (f"{type(self).__name__}: {path} exists; not overwriting another run's results. Delete it, "
                            "log to another folder, or pass CLI(save_config_kwargs={'overwrite': True})")
