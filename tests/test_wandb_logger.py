@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ def read_run(path: Path) -> dict:
 
     data, position, pending = path.read_bytes(), HEADER, b""
     assert data[:4] == b":W&B"
-    out: dict = {"history": [], "config": {}}
+    out: dict = {"history": [], "config": {}, "artifacts": []}
     while position + 7 <= len(data):
         if BLOCK - position % BLOCK < 7:  # a block's tail too short for a record header is padding
             position += BLOCK - position % BLOCK
@@ -66,10 +67,29 @@ def _add(out: dict, record) -> None:
         out["history"].append(items(record.history.item))
     elif which == "config":
         out["config"].update(items(record.config.update))
+    elif which == "exit":
+        out["exit_code"] = record.exit.exit_code
+    elif which == "artifact":
+        out["artifacts"].append((record.artifact.name, record.artifact.type, sorted(record.artifact.aliases),
+                                 sorted(entry.path for entry in record.artifact.manifest.contents)))
 
 
 def run_files(root: Path) -> list[Path]:
     return sorted(root.rglob("run-*.wandb"), key=lambda p: p.stat().st_mtime)
+
+
+def read_finished_runs(root: Path, count: int) -> list[dict]:
+    """The `count` runs under `root`, each once its exit record is written (wandb's service writes the file in
+    the background; `finish()` may return a moment before the last records are on disk)."""
+    for _ in range(100):
+        try:
+            runs = [read_run(path) for path in run_files(root)]
+        except Exception:  # a record half written: read again
+            runs = []
+        if len(runs) == count and all("exit_code" in run for run in runs):
+            return sorted(runs, key=lambda run: run["history"][0]["_timestamp"] if run["history"] else 0)
+        time.sleep(0.2)
+    raise AssertionError(f"expected {count} finished wandb runs under {root}, found {run_files(root)}")
 
 
 def _wandb_body(root: str) -> dict:
@@ -84,9 +104,7 @@ def _wandb_body(root: str) -> dict:
 def test_metrics_at_their_steps_and_hyperparameters_from_rank_0_only(rank_pool, tmp_path):
     rank0, rank1 = rank_pool(2).run(_wandb_body, str(tmp_path))
     assert rank0["version"] == rank1["version"] and len(rank0["version"]) == 8  # every rank knows the run id
-    files = run_files(tmp_path)
-    assert len(files) == 1, files  # only rank 0 made a run
-    run = read_run(files[0])
+    (run,) = read_finished_runs(tmp_path, 1)  # only rank 0 made a run
     assert run["run"] == (rank0["version"], "shardtrain", "tiny")
     losses = [(row["trainer/global_step"], row["train/loss"]) for row in run["history"] if "train/loss" in row]
     assert [step for step, _ in losses] == [1, 2, 3, 4]
@@ -96,7 +114,7 @@ def test_metrics_at_their_steps_and_hyperparameters_from_rank_0_only(rank_pool, 
 
 def test_resumed_training_continues_the_same_run(tmp_path, monkeypatch):
     offline_environment(str(tmp_path), monkeypatch.setenv)
-    first = WandbLogger(project="shardtrain", save_dir=str(tmp_path), offline=True)
+    first = WandbLogger(project="shardtrain", save_dir=str(tmp_path), offline=True, log_model=True)
     Trainer(max_steps=2, log_every_n_steps=1, logger=first, enable_progress_bar=False,
             enable_model_summary=False).fit(new_model(Logged), DataLoader(token_dataset(), batch_size=2))
     assert list((tmp_path / "shardtrain" / first.version / "checkpoints").iterdir())  # Lightning's place
@@ -105,10 +123,14 @@ def test_resumed_training_continues_the_same_run(tmp_path, monkeypatch):
                       enable_model_summary=False)
     trainer.fit(new_model(Logged), DataLoader(token_dataset(), batch_size=2), ckpt_path="last")
     assert again.version == first.version  # the id came from the checkpoint
-    runs = [read_run(path) for path in run_files(tmp_path)]
+    runs = read_finished_runs(tmp_path, 2)
     assert [run["run"][0] for run in runs] == [first.version, first.version]
     steps = [[row["trainer/global_step"] for row in run["history"] if "train/loss" in row] for run in runs]
     assert steps == [[1, 2], [3, 4]]
+    (artifact,) = runs[0]["artifacts"]  # log_model=True: the last checkpoint, once training ended
+    name, kind, aliases, files = artifact
+    assert name == f"model-{first.version}" and kind == "model" and "latest" in aliases
+    assert "meta.json" in files and ".metadata" in files  # the checkpoint directory's files
 
 
 def test_the_command_lines_config_goes_into_the_runs_config(tmp_path, monkeypatch):
@@ -122,8 +144,8 @@ def test_the_command_lines_config_goes_into_the_runs_config(tmp_path, monkeypatc
         args=["fit", "--config", str(yaml_file), "--trainer.max_epochs", "1", "--trainer.logger", "WandbLogger",
               "--trainer.logger.offline", "true", "--trainer.logger.save_dir", str(tmp_path),
               "--trainer.logger.project", "cli"])
-    (path,) = run_files(tmp_path)
-    config = read_run(path)["config"]
+    (run,) = read_finished_runs(tmp_path, 1)
+    config = run["config"]
     assert config["trainer"]["max_epochs"] == 1 and config["model"] == {"hidden": 6, "lr": 0.05}
     assert config["trainer"]["logger"]["class_path"] == "callbacks.WandbLogger"
     assert config["seed_everything"] == 7
