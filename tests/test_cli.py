@@ -243,3 +243,17 @@ def test_run_false_builds_the_objects_without_subcommands():
                 args=["--model.hidden", "3", "--trainer.max_epochs", "1", "--trainer.logger", "false"])
     assert built.model.net[0].out_features == 3 and built.trainer.max_epochs == 1
     assert built.trainer.global_step == 0 and built.subcommand is None
+
+
+def test_a_function_that_builds_the_model_is_configured_by_its_signature(capsys):
+    def small_regressor(width: int = 2) -> script.Regressor:
+        """A narrow model.
+
+        Args:
+            width: the hidden width.
+        """
+        return script.Regressor(hidden=width)
+
+    built = CLI(small_regressor, script.RegressionData, run=False, parser_kwargs={"exit_on_error": False},
+                args=["--model.width", "3", "--trainer.logger", "false"])
+    assert isinstance(built.model, script.Regressor) and built.model.net[0].out_features == 3

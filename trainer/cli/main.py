@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, class_from_function
 
 from callbacks import Callback, Logger, ModelCheckpoint
 
@@ -91,13 +91,14 @@ class CLI:
         run: bool = True,
         auto_configure_optimizers: bool = True,
     ) -> None:
-        self.model_class, self.datamodule_class = model_class or TrainModule, datamodule_class or DataModule
+        self.model_class, self.datamodule_class = _as_class(model_class or TrainModule), _as_class(
+            datamodule_class or DataModule)
         self.subclass_mode_model = model_class is None or subclass_mode_model
         self.subclass_mode_data = datamodule_class is None or subclass_mode_data
         self.optional_data = datamodule_class is None
         self.save_config_callback = save_config_callback
         self.save_config_kwargs = dict(save_config_kwargs or {})
-        self.trainer_class, self.trainer_defaults = trainer_class, dict(trainer_defaults or {})
+        self.trainer_class, self.trainer_defaults = _as_class(trainer_class), dict(trainer_defaults or {})
         self.seed_everything_default = seed_everything_default
         self.auto_configure_optimizers = auto_configure_optimizers
         self.parser_kwargs = dict(parser_kwargs or {})
@@ -130,7 +131,7 @@ class CLI:
             return self._parsers[None]
         parser = ArgumentParser(exit_on_error=False, description=_description(), **main_kwargs)
         subcommands = parser.add_subcommands(required=True, dest="subcommand")
-        for name in SUBCOMMANDS:
+        for name in self.subcommands():
             summary = (getattr(self.trainer_class, name).__doc__ or name).strip().splitlines()[0]
             kwargs = {"description": summary, **self.parser_kwargs.get(name, {})}
             self._parsers[name] = self._subcommand_parser(name, kwargs)
@@ -160,8 +161,13 @@ class CLI:
         if subcommand is not None:
             self._method_arguments = getattr(self, "_method_arguments", {})
             self._method_arguments[subcommand] = parser.add_method_arguments(
-                self.trainer_class, subcommand, skip=SUBCOMMANDS[subcommand], fail_untyped=False)
+                self.trainer_class, subcommand, skip=self.subcommands()[subcommand], fail_untyped=False)
         return parser
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """The subcommands (Trainer methods) and their arguments that are objects, not configuration."""
+        return {name: set(skip) for name, skip in SUBCOMMANDS.items()}
 
     def _parser(self, subcommand: str | None) -> ArgumentParser:
         return self._parsers.get(subcommand, self.parser)
@@ -175,7 +181,7 @@ class CLI:
         if isinstance(args, dict):
             self.subcommand = args.get("subcommand") if run else None
             return self.parser.parse_object(args)
-        sources = split_command_line(self.command, list(SUBCOMMANDS) if run else None)
+        sources = split_command_line(self.command, list(self.subcommands()) if run else None)
         self.subcommand = sources.subcommand
         config = self._checked_parse(sources)
         ckpt_path = config.get(f"{self.subcommand}.ckpt_path") if self.subcommand == "fit" else None
@@ -291,7 +297,7 @@ class CLI:
         before, after = getattr(self, f"before_{subcommand}", None), getattr(self, f"after_{subcommand}", None)
         if callable(before):
             before()
-        method = getattr(self.trainer, subcommand)
+        method = getattr(self, subcommand, None) or getattr(self.trainer, subcommand)  # a CLI subclass may define it
         section = self._section(self.config_init)
         kwargs = {key: section.get(key) for key in self._method_arguments[subcommand]}
         if self.datamodule is not None:
@@ -306,6 +312,11 @@ def _add_class(parser: ArgumentParser, cls: Any, key: str, subclass_mode: bool, 
         parser.add_subclass_arguments(cls, key, fail_untyped=False, required=required)
     else:
         parser.add_class_arguments(cls, key, fail_untyped=False, sub_configs=True)
+
+
+def _as_class(given: Any) -> type:
+    """A class, or a function that returns an instance (jsonargparse reads its signature as the class's)."""
+    return given if isinstance(given, type) else class_from_function(given)
 
 
 def _instantiate(config: Namespace, first: Any) -> Any:
