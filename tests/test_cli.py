@@ -257,3 +257,13 @@ def test_a_function_that_builds_the_model_is_configured_by_its_signature(capsys)
     built = CLI(small_regressor, script.RegressionData, run=False, parser_kwargs={"exit_on_error": False},
                 args=["--model.width", "3", "--trainer.logger", "false"])
     assert isinstance(built.model, script.Regressor) and built.model.net[0].out_features == 3
+
+
+def test_a_section_in_a_file_of_its_own_is_read_relative_to_its_config(tmp_path, capsys):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "run.yaml").write_text("trainer:\n  max_epochs: 4\nmodel: model.yaml\n")
+    (tmp_path / "conf" / "model.yaml").write_text("hidden: 5\n")
+    with pytest.raises(SystemExit):
+        cli("fit", "--config", str(tmp_path / "conf" / "run.yaml"), "--print_config")
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["hidden"] == 5 and printed["trainer"]["max_epochs"] == 4

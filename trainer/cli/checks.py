@@ -78,7 +78,8 @@ def check_sources(index: KeyIndex, sources: Sources) -> None:
         if file.found and file.data is not None:
             if not isinstance(file.data, dict):
                 raise ConfigError(f"{file.path}: a config file must be a mapping of keys (trainer:, model:, ...)")
-            file.data = _check_mapping(index, file, file.data, "")
+            checked = _check_mapping(index, file, file.data, "")
+            file.changed, file.data = checked != file.data, checked
     for flag in sources.flags:
         _check_flag(index, sources, flag)
 

@@ -26,6 +26,8 @@ class ConfigFile:
     data: Any
     lines: dict[str, int] = field(default_factory=dict)
     found: bool = True
+    is_file: bool = True
+    changed: bool = False  # the checks took Lightning's defaults out: jsonargparse gets the contents, not the file
 
     def where(self, key: str) -> str:
         line = self.lines.get(key)
@@ -59,8 +61,8 @@ class Sources:
         the flags as given."""
         configs = []
         for file in self.files:
-            if not file.found:
-                configs += ["--config", file.path]  # jsonargparse names the missing file
+            if not file.found or (file.is_file and not file.changed):
+                configs += ["--config", file.path]  # as given: its relative paths, or jsonargparse names it missing
             elif file.data:
                 configs += ["--config", yaml.safe_dump(file.data, sort_keys=False)]
         return self.prefix + configs + self.rest
@@ -120,7 +122,7 @@ def read_config(text: str) -> ConfigFile:
     node = yaml.compose(source, Loader=yaml.SafeLoader)
     lines: dict[str, int] = {}
     _record_lines(node, "", lines)
-    return ConfigFile(label, yaml.safe_load(source), lines)
+    return ConfigFile(label, yaml.safe_load(source), lines, is_file=label == text)
 
 
 def _record_lines(node: Any, prefix: str, lines: dict[str, int]) -> None:
