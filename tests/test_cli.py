@@ -267,3 +267,15 @@ def test_a_section_in_a_file_of_its_own_is_read_relative_to_its_config(tmp_path,
         cli("fit", "--config", str(tmp_path / "conf" / "run.yaml"), "--print_config")
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["hidden"] == 5 and printed["trainer"]["max_epochs"] == 4
+
+
+def test_ckpt_path_last_looks_where_the_configured_model_checkpoint_saves(tmp_path):
+    flags = ["--config", str(YAML), "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath",
+             str(tmp_path / "ckpt"), "--trainer.logger", "false"]
+    cli("fit", *flags, "--model.hidden", "5", "--trainer.max_epochs", "1", "--trainer.default_root_dir",
+        str(tmp_path / "first"))
+    resumed = cli("fit", "--ckpt_path", "last", "--trainer.max_epochs", "2", "--trainer.callbacks+=ModelCheckpoint",
+                  "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.logger", "false",
+                  "--trainer.default_root_dir", str(tmp_path / "second"))
+    assert resumed.resumed_from.startswith(str(tmp_path / "ckpt"))
+    assert resumed.model.net[0].out_features == 5 and resumed.trainer.global_step == 8

@@ -208,7 +208,7 @@ class CLI:
         """Where `fit` will look for `ckpt_path="last"`: from the configured logger and ModelCheckpoint, built
         here before any Trainer (which would start the other ranks)."""
         section = config.get(self.subcommand, config).get("trainer")
-        values = {"callbacks": section.get("callbacks"), "logger": section.get("logger")}
+        values = {"callbacks": _plain(section.get("callbacks")), "logger": _plain(section.get("logger"))}
         small = ArgumentParser(exit_on_error=False)
         small.add_argument("--callbacks", type=list[Callback] | None)
         small.add_argument("--logger", type=bool | Logger | list[Logger] | None)
@@ -324,6 +324,13 @@ def _instantiate(config: Namespace, first: Any) -> Any:
     module_name, _, name = config.class_path.rpartition(".")
     cls = getattr(__import__(module_name, fromlist=[name]), name)
     return cls(first, **dict(config.get("init_args") or {}))
+
+
+def _plain(value: Any) -> Any:
+    """Parsed values (jsonargparse Namespaces, lists of them) as plain dicts and lists."""
+    if isinstance(value, Namespace):
+        return value.as_dict()
+    return [_plain(item) for item in value] if isinstance(value, list) else value
 
 
 def _as_list(value: Any) -> list[Any]:
