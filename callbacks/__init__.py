@@ -1,5 +1,6 @@
 """Things that react to loop events: progress bar, checkpointing policy, early stopping, learning-rate
-logging, a moving average of the weights, and the experiment loggers they write to (TensorBoard, CSV, MLflow)."""
+logging, a moving average of the weights, and the experiment loggers they write to (TensorBoard, CSV, MLflow,
+Weights & Biases)."""
 
 from callbacks.base import Callback
 from callbacks.csv_logger import CSVLogger
@@ -12,6 +13,7 @@ from callbacks.model_checkpoint import ModelCheckpoint
 from callbacks.model_summary import ModelSummary
 from callbacks.progress import ProgressBar
 from callbacks.throughput import ThroughputMonitor
+from callbacks.wandb_logger import WandbLogger
 
 __all__ = [
     "CSVLogger",
@@ -26,4 +28,5 @@ __all__ = [
     "ProgressBar",
     "TensorBoardLogger",
     "ThroughputMonitor",
+    "WandbLogger",
 ]

@@ -74,6 +74,18 @@ class Logger:
         """
         self.save()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What to keep of the logger in a checkpoint (e.g. `WandbLogger`'s run id, so that a resumed training
+        continues the same run); the default is an empty dict."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned, when training resumes from a checkpoint (before the first write).
+
+        Args:
+            state_dict: the dict `state_dict` returned when the checkpoint was saved.
+        """
+
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         """Called when a `ModelCheckpoint`'s save is complete (on rank 0; on a background thread for an async
         save).

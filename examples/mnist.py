@@ -48,6 +48,13 @@ class Net(nn.Module):
 
 
 class Classifier(TrainModule):
+    """The recipe's network, trained with Adadelta and a learning rate that decays every epoch.
+
+    Args:
+        lr: Adadelta's learning rate.
+        gamma: the learning rate's decay per epoch.
+    """
+
     def __init__(self, lr: float = 1.0, gamma: float = 0.7) -> None:
         super().__init__()
         self.net = Net()

@@ -105,6 +105,20 @@ def test_mnist_runs_on_two_ranks_with_ddp(rank_pool, mnist_dir: Path, tmp_path: 
     assert rank1 == ""  # only rank 0 prints
 
 
+def test_cli_mnist_runs_tiny_from_its_yaml(mnist_dir: Path, tmp_path: Path) -> None:
+    """examples/cli_mnist.py with examples/cli_mnist.yaml, a flag or two making it tiny: trains, saves its config."""
+    pytest.importorskip("jsonargparse")
+    cli_mnist = importlib.import_module("examples.cli_mnist")
+    run = cli_mnist.main(["fit", "--config", str(ROOT / "examples" / "cli_mnist.yaml"), "--data.data_dir",
+                          str(mnist_dir), "--data.download", "false", "--data.batch_size", "16", "--trainer.max_epochs",
+                          "1", "--trainer.limit_train_batches", "2", "--trainer.default_root_dir", str(tmp_path),
+                          "--trainer.enable_progress_bar", "false"])
+    assert run.trainer.global_step == 2 and "val/acc" in run.trainer.callback_metrics
+    saved = (Path(run.trainer.log_dir) / "config.yaml").read_text()
+    assert "max_epochs: 1" in saved and "class_path: callbacks.LearningRateMonitor" in saved
+    assert list(Path(run.trainer.log_dir).glob("checkpoints/*/config.yaml"))
+
+
 def test_gpt_data_is_deterministic_and_split_by_file() -> None:
     train, val = gpt.build_datasets(block_size=32, max_bytes=200_000, val_windows=64)
     again_train, again_val = gpt.build_datasets(block_size=32, max_bytes=200_000, val_windows=64)

@@ -136,10 +136,10 @@ class Trainer:
     def __init__(
         self,
         strategy: str | Strategy = "auto",
-        devices: int | str = "auto",
+        devices: int | str | list[int] = "auto",
         accelerator: str = "auto",
         num_nodes: int = 1,
-        precision: str = "32",
+        precision: str | int = "32",
         max_epochs: int | None = None,
         max_steps: int = -1,
         accumulate_grad_batches: int = 1,
@@ -644,16 +644,7 @@ class Trainer:
         restore(self, self.ckpt_path, weights_only, trust_pickled)
 
     def _checkpoint_dirs(self) -> list[str]:
-        """Where checkpoints go: the ModelCheckpoint's dirpath, or by default `<log_dir>/checkpoints`; a
-        restarted run logs to a new logger version, so then the checkpoints folders of every version count."""
-        directory = self.checkpoint_callback.dirpath if self.checkpoint_callback else None
-        if directory:
-            return [directory]
-        dirs = [os.path.join(self.log_dir or self.default_root_dir, "checkpoints")]
-        root = getattr(self.logger, "root_dir", None)
-        if root is not None and os.path.isdir(root):
-            dirs += [os.path.join(root, v, "checkpoints") for v in sorted(os.listdir(root))]
-        return dirs
+        return checkpoint_dirs(self.checkpoint_callback, self.logger, self.default_root_dir)
 
     @property
     def estimated_stepping_batches(self) -> int:
@@ -662,6 +653,22 @@ class Trainer:
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
         by_epochs = per_epoch * self.max_epochs if self.max_epochs > 0 else float("inf")
         return int(min(by_epochs, self.max_steps if self.max_steps > 0 else float("inf")))
+
+
+def checkpoint_dirs(checkpoint_callback: ModelCheckpoint | None, logger: Logger | None,
+                    default_root_dir: str) -> list[str]:
+    """Where checkpoints go: the ModelCheckpoint's dirpath, or by default `<log_dir>/checkpoints`; a restarted run
+    logs to a new logger version, so then the checkpoints folders of every version count. (Also used by the
+    command line, before a Trainer exists, to find the config of `--ckpt_path last`.)"""
+    directory = checkpoint_callback.dirpath if checkpoint_callback else None
+    if directory:
+        return [directory]
+    log_dir = logger.log_dir if logger else default_root_dir
+    dirs = [os.path.join(log_dir or default_root_dir, "checkpoints")]
+    root = getattr(logger, "root_dir", None)
+    if root is not None and os.path.isdir(root):
+        dirs += [os.path.join(root, v, "checkpoints") for v in sorted(os.listdir(root))]
+    return dirs
 
 
 def _full_file_problem(path: str) -> str | None:

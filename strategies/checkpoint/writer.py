@@ -67,11 +67,13 @@ class CheckpointWriter:
         async_save: bool = False,
         links: list[str] = (),
         on_done: Callable[[], None] | None = None,
+        texts: dict[str, str] | None = None,
     ) -> None:
         """Write this rank's `state` (a nested dict of FlatPieces, tensors and Pickled objects) as a checkpoint at
         `path`, with `summary` in meta.json (collective: every rank calls it); also put it at each of `links`
         (hard links), then call `on_done` on rank 0. With `async_save` this returns once the state is copied;
-        the files are written in the background."""
+        the files are written in the background. `texts` (file name to contents, e.g. the run's config.yaml) are
+        written by rank 0 into the checkpoint folder, listed in meta.json and renamed into place with it."""
         self.wait()
         path = os.path.abspath(os.fspath(path))
         group = _checkpoint_group()
@@ -81,7 +83,7 @@ class CheckpointWriter:
             os.makedirs(staging)
         if group is not None:
             dist.barrier(group=group)
-        finish = _Finish(staging, path, [os.path.abspath(p) for p in links], on_done, summary, group)
+        finish = _Finish(staging, path, [os.path.abspath(p) for p in links], on_done, summary, group, texts)
         options = dict(storage_writer=FileSystemWriter(staging), planner=ShardSavePlanner(), process_group=group,
                        no_dist=group is None)
         with finish.failing_alike():
@@ -117,9 +119,10 @@ class _Finish:
     """After DCP wrote the files: each rank checksums the items in its files, rank 0 writes meta.json and renames
     the staging folder into place, then links and `on_done`. Every rank learns whether it worked."""
 
-    def __init__(self, staging: str, path: str, links: list[str], on_done: Any, summary: dict, group: Any) -> None:
+    def __init__(self, staging: str, path: str, links: list[str], on_done: Any, summary: dict, group: Any,
+                 texts: dict[str, str] | None = None) -> None:
         self.staging, self.path, self.links, self.on_done = staging, path, links, on_done
-        self.summary, self.group = summary, group
+        self.summary, self.group, self.texts = summary, group, dict(texts or {})
         self.rank = dist.get_rank() if group is not None else 0
 
     def __call__(self, metadata: Any) -> None:
@@ -162,6 +165,8 @@ class _Finish:
             table = {name: info for report in reports for name, info in report.items()}
             size = os.path.getsize(os.path.join(self.staging, format.DCP_METADATA))
             table[format.DCP_METADATA] = format.file_integrity(self.staging, format.DCP_METADATA, [(0, size)])
+            for name, text in self.texts.items():
+                table[name] = _write_text(self.staging, name, text)
             summary = {"format": "torch.distributed.checkpoint", "format_version": format.FORMAT_VERSION}
             format.write_meta(self.staging, {**summary, **self.summary, "files": table})
             files.replace_directory(self.staging, self.path)
@@ -172,6 +177,16 @@ class _Finish:
         except Exception as error:
             return error
         return None
+
+
+def _write_text(directory: str, name: str, text: str) -> dict[str, Any]:
+    """A text file beside the DCP files (in the staging folder, so it is renamed into place with them)."""
+    if os.path.basename(name) != name or name in (format.DCP_METADATA, format.META_FILE) or name.startswith("__"):
+        raise ValueError(f"checkpoint text file {name!r}: use a plain file name that is not one of the checkpoint's")
+    data = text.encode()
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+    return format.file_integrity(directory, name, [(0, len(data))])
 
 
 # (the default group it was made for, the checkpoint group), held weakly: torch.distributed holds both until

@@ -37,6 +37,9 @@ class Saver:
 
     def __init__(self) -> None:
         self.writer = CheckpointWriter()
+        self.texts: dict[str, str] = {}
+        """Text files put in every checkpoint directory (file name to contents), written by rank 0 atomically
+        with the checkpoint: the command line (`trainer.cli.CLI`) puts the run's `config.yaml` here."""
 
     def save(
         self,
@@ -58,7 +61,7 @@ class Saver:
         """
         self.writer.wait()
         summary = {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": trainer.world_size}
-        self.writer.save(checkpoint_state(trainer), path, summary, async_save, links, on_done)
+        self.writer.save(checkpoint_state(trainer), path, summary, async_save, links, on_done, texts=self.texts)
 
     def save_full(self, trainer: Trainer, path: str) -> None:
         """Write one plain file at `path` that `torch.load` reads. Collective.

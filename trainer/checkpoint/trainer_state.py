@@ -36,6 +36,7 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
         "module_class": f"{type(trainer.module).__module__}.{type(trainer.module).__qualname__}",
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
         "module_extra": extra,
+        "loggers": [{"class": type(lg).__name__, "state": lg.state_dict()} for lg in trainer.loggers],
     }
 
 
@@ -101,6 +102,9 @@ def restore_trainer_state(trainer: Trainer, saved: dict[str, Any], rng: dict[str
             cb.load_state_dict(saved["callbacks"][cb.state_key])
         cb.on_load_checkpoint(trainer, trainer.module, saved["module_extra"])
     trainer.module.on_load_checkpoint(saved["module_extra"])
+    for logger, entry in zip(trainer.loggers, saved.get("loggers", [])):  # (older checkpoints: none)
+        if entry["class"] == type(logger).__name__:  # the same logger in the same place: e.g. W&B's run id
+            logger.load_state_dict(entry["state"])
     if trainer.datamodule is not None and saved.get("datamodule") is not None:
         trainer.datamodule.load_state_dict(saved["datamodule"])
     if rng is not None:
