@@ -378,7 +378,16 @@ class StepRunner:
 
     def _sanity_check(self) -> None:
         """A few validation batches before training (num_sanity_val_steps, as Lightning), so that a broken
-        validation_step fails in seconds; nothing it logs is kept, and checkpoint callbacks ignore it."""
+        validation_step fails in seconds; nothing it logs is kept, and checkpoint callbacks ignore it. As in
+        Lightning, the random state is put back afterwards: what the validation loader's hook and the batches drew
+        from it does not change the training."""
+        before = rng_state()
+        try:
+            self._sanity_steps()
+        finally:
+            set_rng_state(before)
+
+    def _sanity_steps(self) -> None:
         t = self.trainer
         if t.num_sanity_val_steps == 0 or t.limit_val_batches == 0 or self.val_loader is None:
             return
