@@ -91,10 +91,9 @@ class MetricCollector:
         Lightning computes them there, so a reset in the hook does not lose them); what the hooks log next is per
         epoch (by default) and belongs to the epoch ending. Every rank calls it; `module`, `some_rank_idle`: as
         for end_epoch."""
-        metrics = self._metrics.get(self.stage, {})
-        if some_rank_idle:
-            agree_on_entries(self._epoch.setdefault(self.stage, {}), self._metrics.setdefault(self.stage, {}), module,
-                             self.gather, _synced_placeholder)
+        metrics = self._metrics.setdefault(self.stage, {})
+        if some_rank_idle:  # a rank that ran no step finds the metrics the others logged, to compute them too
+            agree_on_entries(self._epoch.setdefault(self.stage, {}), metrics, module, self.gather, _synced_placeholder)
         computed = compute(metrics, {})
         for name, (value, prog_bar, _) in computed.items():
             self._publish(self._epoch_name(name), value, prog_bar)
