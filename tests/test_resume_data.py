@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from strategies import FSDPStrategy
 from tests.test_checkpoint import assert_states_close
@@ -55,13 +55,15 @@ class Regression(TrainModule):
 
 
 def fit(root: str, name: str, workers: int, persistent: bool, max_steps: int, ckpt_path: str | None = None,
-        save_to: str | None = None) -> tuple[dict[str, torch.Tensor], int]:
+        save_to: str | None = None, stateful: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     """(the weights, the samples this rank loaded)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     log_dir = os.path.join(root, f"rank{dist.get_rank()}")
     os.makedirs(log_dir)
     seed_everything(0)
-    loader = DataLoader(Augmented(log_dir), batch_size=BATCH, shuffle=True, num_workers=workers,
-                        persistent_workers=persistent)
+    loader = (StatefulDataLoader if stateful else DataLoader)(Augmented(log_dir), batch_size=BATCH, shuffle=True,
+                                                              num_workers=workers, persistent_workers=persistent)
     strategy = FSDPStrategy() if name == "fsdp" else name
     trainer = Trainer(strategy=strategy, devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
                       enable_checkpointing=False, enable_model_summary=False, default_root_dir=root)
@@ -72,25 +74,40 @@ def fit(root: str, name: str, workers: int, persistent: bool, max_steps: int, ck
     return trainer.strategy.full_state_dict(), loads
 
 
-def body_resume(root: str, name: str, workers: int, persistent: bool, stop: int) -> dict:
-    straight, _ = fit(os.path.join(root, "straight"), name, workers, persistent, TOTAL)
+def body_resume(root: str, name: str, workers: int, persistent: bool, stop: int, stateful: bool) -> dict:
+    straight, _ = fit(os.path.join(root, "straight"), name, workers, persistent, TOTAL, stateful=stateful)
     path = os.path.join(root, "ckpt")
-    fit(os.path.join(root, "first"), name, workers, persistent, stop, save_to=path)
-    resumed, loads = fit(os.path.join(root, "resumed"), name, workers, persistent, TOTAL, ckpt_path=path)
+    fit(os.path.join(root, "first"), name, workers, persistent, stop, save_to=path, stateful=stateful)
+    resumed, loads = fit(os.path.join(root, "resumed"), name, workers, persistent, TOTAL, ckpt_path=path,
+                         stateful=stateful)
     return {"straight": straight, "resumed": resumed, "loads": loads}
 
 
-@pytest.mark.parametrize("name, workers, persistent, stop", [
-    ("ddp", 0, False, 3),
-    ("ddp", 2, False, 8),
-    ("fsdp", 2, True, 3),
-    ("fsdp", 0, False, 8),
+@pytest.mark.parametrize("name, workers, persistent, stop, stateful", [
+    ("ddp", 0, False, 3, False),
+    ("ddp", 2, False, 8, True),  # a map-style StatefulDataLoader: rebuilt as one, resumed by the Trainer's sampler
+    ("fsdp", 2, True, 3, False),
+    ("fsdp", 0, False, 8, False),
 ])
 def test_a_mid_epoch_resume_with_workers_and_augmentation_is_exact(rank_pool, tmp_path, name, workers, persistent,
-                                                                   stop):
-    for rank, result in enumerate(rank_pool(2).run(body_resume, str(tmp_path), name, workers, persistent, stop)):
+                                                                   stop, stateful):
+    ranks = rank_pool(2).run(body_resume, str(tmp_path), name, workers, persistent, stop, stateful)
+    for rank, result in enumerate(ranks):
         assert_states_close(result["resumed"], result["straight"], atol=0)
         assert result["loads"] == (TOTAL - stop) * BATCH, (rank, "batches trained before the resume were loaded")
+
+
+def test_a_stateful_dataloader_stays_one_when_the_trainer_splits_it():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from trainer.data import distributed_loader
+    from trainer.resume_sampler import ResumableSampler
+
+    given = StatefulDataLoader(TensorDataset(torch.arange(10)), batch_size=2, shuffle=True, snapshot_every_n_steps=3)
+    rebuilt = distributed_loader(given, world_size=2, rank=1, seed=0, argument="train_dataloaders")
+    assert type(rebuilt) is StatefulDataLoader and isinstance(rebuilt.sampler, ResumableSampler)
+    assert rebuilt.snapshot_every_n_steps == 3 and rebuilt.batch_size == 2
+    assert len([i for (batch,) in rebuilt for i in batch.tolist()]) == 5  # rank 1's half
 
 
 # ------------------------------------------------------------------ a stream: HuggingFace IterableDataset by rank
