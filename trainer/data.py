@@ -88,7 +88,8 @@ def distributed_loader(
     if isinstance(loader.dataset, IterableDataset) or _is_distributed(loader):
         _report_repeated_samples(loader, rank)
         return loader
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) or loader.batch_size is None:
+    random_samplers = (RandomSampler, *_torchdata_random_sampler())
+    if not isinstance(loader.sampler, (*random_samplers, SequentialSampler)) or loader.batch_size is None:
         if world_size == 1:
             return loader
         raise ValueError(
@@ -103,7 +104,7 @@ def distributed_loader(
             loader.dataset,
             num_replicas=world_size,
             rank=rank,
-            shuffle=isinstance(loader.sampler, RandomSampler),
+            shuffle=isinstance(loader.sampler, random_samplers),
             seed=seed,
             drop_last=loader.drop_last,
             batch_size=loader.batch_size,
@@ -127,6 +128,12 @@ def distributed_loader(
     )
     _report_repeated_samples(rebuilt, rank)
     return rebuilt
+
+
+def _torchdata_random_sampler() -> tuple[type, ...]:
+    """torchdata's RandomSampler (what StatefulDataLoader(shuffle=True) makes), when torchdata is in use."""
+    module = sys.modules.get("torchdata.stateful_dataloader.sampler")
+    return (module.RandomSampler,) if module is not None else ()
 
 
 def _same_kind(loader: DataLoader) -> tuple[type, dict[str, Any]]:
