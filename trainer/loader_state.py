@@ -92,9 +92,9 @@ class LoaderPosition:
         return True
 
 
-def check_world_size(path: str, saved_world_size: Any, world_size: int, restore: bool) -> None:
-    """A checkpoint with per-rank loader state resumes at its own world size, or with the opt-out."""
-    if restore and saved_world_size != world_size:
+def check_world_size(path: str, saved_world_size: Any, world_size: int) -> None:
+    """A checkpoint with per-rank loader state, restored, resumes at its own world size only."""
+    if saved_world_size != world_size:
         raise ValueError(
             f"ckpt_path={path!r} holds the training loader's own state of each of its {saved_world_size} ranks "
             f"(where each rank's stream was), and this run has {world_size}: a rank's state cannot be split or "

@@ -29,7 +29,7 @@ def restore(trainer: Trainer, path: str, weights_only: bool) -> None:
     with_loader = not weights_only and any(p[0] == LOADER for p in source.paths.values())
     restore_loader = with_loader and trainer.restore_loader_state
     if restore_loader:
-        check_world_size(path, meta.get("world_size"), trainer.world_size, restore_loader)
+        check_world_size(path, meta.get("world_size"), trainer.world_size)
     loader_key = f"{LOADER}.{trainer.global_rank}"
     tops = set() if weights_only else {TRAINER, *([f"{RNG}.{trainer.global_rank}"] if same_world else [])}
     tops |= {loader_key} if restore_loader else set()
