@@ -131,3 +131,48 @@ def test_the_boring_model_ends_where_lightnings_own_trainer_ends():
     assert max_relative_difference(ours.state_dict(), theirs.state_dict()) <= 1e-6
     torch.manual_seed(0)
     assert max_relative_difference(ours.state_dict(), boring.BoringModel().state_dict()) > 1e-3
+
+
+# ------------------------------------------------------------------ the order of the hooks, recorded with Lightning
+
+RECORDED_HOOKS = ("prepare_data", "setup", "configure_model", "configure_optimizers", "on_fit_start", "val_dataloader",
+                  "train_dataloader", "on_train_start", "on_train_epoch_start", "on_validation_start",
+                  "on_validation_epoch_start", "on_validation_epoch_end", "on_validation_end", "on_train_epoch_end",
+                  "on_train_end", "on_fit_end", "teardown")
+
+
+def recording(module_class: type) -> tuple[type, list[str]]:
+    """A subclass of `module_class` that notes each hook of RECORDED_HOOKS it runs, and the list it notes in."""
+    calls: list[str] = []
+
+    def noting(name: str):
+        def hook(self, *args, **kwargs):
+            calls.append(name)
+            return getattr(super(recorded, self), name)(*args, **kwargs)
+        return hook
+
+    recorded = type(f"Recording{module_class.__name__}", (module_class,), {n: noting(n) for n in RECORDED_HOOKS})
+    return recorded, calls
+
+
+@pytest.mark.parametrize("sanity_steps", [2, 0])
+def test_the_hooks_run_in_lightnings_order_and_the_demos_end_with_lightnings_weights(sanity_steps):
+    """One process each, Lightning's Trainer and ours, the module's own loaders (BoringModel's draw RandomDataset
+    from the global random generator): the same hooks in the same order, and the same weights under one seed."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos import boring_classes as theirs
+
+    ours = demo("boring_classes")
+    arguments = {"max_epochs": 2, "limit_train_batches": 3, "limit_val_batches": 2,
+                 "num_sanity_val_steps": sanity_steps}
+    for name in ("BoringModel", "ManualOptimBoringModel"):
+        lightnings_class, lightnings_calls = recording(getattr(theirs, name))
+        torch.manual_seed(0)
+        lightnings = lightnings_class()
+        pl.Trainer(accelerator="cpu", devices=1, **arguments, **QUIET).fit(lightnings)
+        our_class, our_calls = recording(getattr(ours, name))
+        torch.manual_seed(0)
+        our_module = our_class()
+        Trainer(devices=1, **arguments, **QUIET).fit(our_module)
+        assert our_calls == lightnings_calls, name
+        assert max_relative_difference(our_module.state_dict(), lightnings.state_dict()) <= 1e-6, name

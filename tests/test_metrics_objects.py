@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -421,3 +422,110 @@ def test_a_module_without_validation_step_trains_and_says_validation_is_skipped(
     for monitor in ("checkpoint", "stopping"):
         for r in rank_pool(2).run(body_no_validation_step, str(tmp_path / monitor), monitor):
             assert "'val_loss'" in r["error"] and "DemoModel defines no validation_step" in r["error"], r["error"]
+
+
+# ---------------------------------------------------------------------------- reset in the epoch-end hook, as Lightning
+
+
+def resetting_module(base: type) -> type:
+    """Lightning's common pattern, on `base` (Lightning's LightningModule or our TrainModule): a torchmetrics object
+    logged per epoch in each step and reset in the epoch-end hook, which also logs a value of its own and notes
+    what `trainer.callback_metrics` holds for the stage's metric in it."""
+
+    class ResetsInEpochEndHooks(base):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+            self.train_mean, self.val_mean, self.test_mean = (torchmetrics.MeanMetric() for _ in range(3))
+            self.in_hooks: list[tuple[str, float | None]] = []
+
+        def _step(self, metric, stage: str, batch) -> torch.Tensor:
+            _, x, y = batch
+            metric(y.float())  # the mean label: the same at any world size
+            self.log(f"{stage}/mean", metric, on_step=False, on_epoch=True)
+            return self.net(x).pow(2).mean()
+
+        def training_step(self, batch, batch_idx):
+            return self._step(self.train_mean, "train", batch)
+
+        def validation_step(self, batch, batch_idx):
+            self._step(self.val_mean, "val", batch)
+
+        def test_step(self, batch, batch_idx):
+            self._step(self.test_mean, "test", batch)
+
+        def _epoch_end(self, stage: str, metric) -> None:
+            value = self.trainer.callback_metrics.get(f"{stage}/mean")
+            self.in_hooks.append((stage, None if value is None else round(float(value), 6)))
+            metric.reset()
+            self.log(f"{stage}/in_hook", 1.0 + len(self.in_hooks))
+
+        def on_train_epoch_end(self):
+            self._epoch_end("train", self.train_mean)
+
+        def on_validation_epoch_end(self):
+            self._epoch_end("val", self.val_mean)
+
+        def on_test_epoch_end(self):
+            self._epoch_end("test", self.test_mean)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return ResetsInEpochEndHooks
+
+
+def fit_and_test_resetting(trainer_class: type, logger: Any, **trainer_kwargs) -> dict:
+    from trainer import TrainModule as base
+
+    if trainer_class is not Trainer:
+        from lightning.pytorch import LightningModule as base
+    torch.manual_seed(0)
+    module = resetting_module(base)()
+    trainer = trainer_class(max_epochs=2, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, **trainer_kwargs)
+    trainer.fit(module, loader(8), loader(6))
+    trainer.test(module, loader(6))
+    logged: dict[str, list[float]] = {}  # by name, in the order logged
+    for _, metrics in logger.logged:
+        for name, value in metrics.items():
+            if name.endswith(("/mean", "/in_hook")):
+                logged.setdefault(name, []).append(round(value, 6))
+    return {"in_hooks": module.in_hooks, "logged": logged}
+
+
+def body_resetting(name: str) -> dict:
+    return fit_and_test_resetting(Trainer, Recorded(), strategy=strategy(name), devices=world_size())
+
+
+def test_a_metric_reset_in_the_epoch_end_hook_logs_what_lightning_logs(rank_pool):
+    """Lightning computes the logged metric objects before on_train/validation/test_epoch_end (they are in
+    callback_metrics there), so a reset in the hook does not zero what is logged; values logged in the hook still
+    count for that epoch. Recorded with Lightning itself, then ours on 1 and 2 ranks."""
+    import lightning.pytorch as pl
+
+    class LightningRecorded(pl.loggers.logger.Logger):
+        name, version = "recorded", 0
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.logged: list[tuple[int, dict]] = []
+
+        def log_metrics(self, metrics, step=None):
+            self.logged.append((step, dict(metrics)))
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    lightnings = fit_and_test_resetting(pl.Trainer, LightningRecorded(), accelerator="cpu", devices=1)
+    assert ("val", None) not in lightnings["in_hooks"] and len(lightnings["in_hooks"]) == 6  # sanity, 2 x 2, test
+    assert fit_and_test_resetting(Trainer, Recorded(), devices=1) == lightnings
+    # no validation at the epoch's end: the training metric is computed before on_train_epoch_end all the same
+    without = fit_and_test_resetting(pl.Trainer, LightningRecorded(), accelerator="cpu", devices=1, limit_val_batches=0)
+    assert without["in_hooks"][0] == ("train", 1.875)
+    assert fit_and_test_resetting(Trainer, Recorded(), devices=1, limit_val_batches=0) == without
+    for name in ("ddp", "fsdp"):
+        ranks = rank_pool(2).run(body_resetting, name)
+        # (the sanity check's 2 batches are 2 per rank: all 6 samples at 2 ranks)
+        assert [rank["in_hooks"][1:] for rank in ranks] == [lightnings["in_hooks"][1:]] * 2, name
+        assert ranks[0]["logged"] == lightnings["logged"], name

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from strategies import FSDPStrategy
 from tests.test_checkpoint import assert_states_close
@@ -55,13 +55,15 @@ class Regression(TrainModule):
 
 
 def fit(root: str, name: str, workers: int, persistent: bool, max_steps: int, ckpt_path: str | None = None,
-        save_to: str | None = None) -> tuple[dict[str, torch.Tensor], int]:
+        save_to: str | None = None, stateful: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     """(the weights, the samples this rank loaded)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
     log_dir = os.path.join(root, f"rank{dist.get_rank()}")
     os.makedirs(log_dir)
     seed_everything(0)
-    loader = DataLoader(Augmented(log_dir), batch_size=BATCH, shuffle=True, num_workers=workers,
-                        persistent_workers=persistent)
+    loader = (StatefulDataLoader if stateful else DataLoader)(Augmented(log_dir), batch_size=BATCH, shuffle=True,
+                                                              num_workers=workers, persistent_workers=persistent)
     strategy = FSDPStrategy() if name == "fsdp" else name
     trainer = Trainer(strategy=strategy, devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
                       enable_checkpointing=False, enable_model_summary=False, default_root_dir=root)
@@ -72,22 +74,160 @@ def fit(root: str, name: str, workers: int, persistent: bool, max_steps: int, ck
     return trainer.strategy.full_state_dict(), loads
 
 
-def body_resume(root: str, name: str, workers: int, persistent: bool, stop: int) -> dict:
-    straight, _ = fit(os.path.join(root, "straight"), name, workers, persistent, TOTAL)
+def body_resume(root: str, name: str, workers: int, persistent: bool, stop: int, stateful: bool) -> dict:
+    straight, _ = fit(os.path.join(root, "straight"), name, workers, persistent, TOTAL, stateful=stateful)
     path = os.path.join(root, "ckpt")
-    fit(os.path.join(root, "first"), name, workers, persistent, stop, save_to=path)
-    resumed, loads = fit(os.path.join(root, "resumed"), name, workers, persistent, TOTAL, ckpt_path=path)
+    fit(os.path.join(root, "first"), name, workers, persistent, stop, save_to=path, stateful=stateful)
+    resumed, loads = fit(os.path.join(root, "resumed"), name, workers, persistent, TOTAL, ckpt_path=path,
+                         stateful=stateful)
     return {"straight": straight, "resumed": resumed, "loads": loads}
 
 
-@pytest.mark.parametrize("name, workers, persistent, stop", [
-    ("ddp", 0, False, 3),
-    ("ddp", 2, False, 8),
-    ("fsdp", 2, True, 3),
-    ("fsdp", 0, False, 8),
+@pytest.mark.parametrize("name, workers, persistent, stop, stateful", [
+    ("ddp", 0, False, 3, False),
+    ("ddp", 2, False, 8, True),  # a map-style StatefulDataLoader: rebuilt as one, resumed by the Trainer's sampler
+    ("fsdp", 2, True, 3, False),
+    ("fsdp", 0, False, 8, False),
 ])
 def test_a_mid_epoch_resume_with_workers_and_augmentation_is_exact(rank_pool, tmp_path, name, workers, persistent,
-                                                                   stop):
-    for rank, result in enumerate(rank_pool(2).run(body_resume, str(tmp_path), name, workers, persistent, stop)):
+                                                                   stop, stateful):
+    ranks = rank_pool(2).run(body_resume, str(tmp_path), name, workers, persistent, stop, stateful)
+    for rank, result in enumerate(ranks):
         assert_states_close(result["resumed"], result["straight"], atol=0)
         assert result["loads"] == (TOTAL - stop) * BATCH, (rank, "batches trained before the resume were loaded")
+
+
+def test_a_stateful_dataloader_stays_one_when_the_trainer_splits_it():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from trainer.data import distributed_loader
+    from trainer.resume_sampler import ResumableSampler
+
+    given = StatefulDataLoader(TensorDataset(torch.arange(10)), batch_size=2, shuffle=True, snapshot_every_n_steps=3)
+    rebuilt = distributed_loader(given, world_size=2, rank=1, seed=0, argument="train_dataloaders")
+    assert type(rebuilt) is StatefulDataLoader and isinstance(rebuilt.sampler, ResumableSampler)
+    assert rebuilt.snapshot_every_n_steps == 3 and rebuilt.batch_size == 2
+    assert len([i for (batch,) in rebuilt for i in batch.tolist()]) == 5  # rank 1's half
+
+
+# ------------------------------------------------------------------ a stream: HuggingFace IterableDataset by rank
+
+ROWS, SHARDS, STREAM_BATCH = 36, 4, 3  # at 2 ranks: 2 shards, 18 rows, 6 batches per rank and epoch
+STREAM_TOTAL, STREAM_STOP = 12, 4  # two epochs, resumed from the checkpoint of step 4
+
+
+def _load_row(row: dict, log_dir: str) -> dict:
+    """A row's features, as a stream reads them; each load is written to `log_dir` (from the workers too)."""
+    with open(os.path.join(log_dir, f"loads-{os.getpid()}"), "a") as f:
+        f.write(f"{row['idx']}\n")
+    g = torch.Generator().manual_seed(row["idx"])
+    return {"x": torch.randn(FEATURES, generator=g).tolist(), "y": [float(row["idx"] % 5)]}
+
+
+def stream_loader(log_dir: str, rank: int, world_size: int, workers: int, stateful: bool, split: bool = True):
+    """A HuggingFace IterableDataset built from local rows in 4 shards, split by rank, read by torchdata's
+    StatefulDataLoader or a plain DataLoader."""
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    stream = datasets.Dataset.from_dict({"idx": list(range(ROWS))}).to_iterable_dataset(num_shards=SHARDS)
+    stream = stream.map(_load_row, fn_kwargs={"log_dir": log_dir})
+    if split:
+        stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
+    loader_class = StatefulDataLoader if stateful else DataLoader
+    return loader_class(stream.with_format("torch"), batch_size=STREAM_BATCH, num_workers=workers)
+
+
+class StreamRegression(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained: list[int] = []  # the rows of each batch trained, in order
+
+    def training_step(self, batch, batch_idx):
+        self.trained += batch["idx"].tolist()
+        return F.mse_loss(self.net(batch["x"]), batch["y"])
+
+
+def fit_stream(root: str, name: str, workers: int, stateful: bool, ckpt_path: str | None = None, **kwargs) -> dict:
+    """One run on the stream: the weights, the rows trained and the rows loaded (by this rank), the warnings."""
+    import warnings
+
+    from callbacks import ModelCheckpoint
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    log_dir = os.path.join(root, f"rank{rank}")
+    os.makedirs(log_dir)
+    seed_everything(0)
+    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=STREAM_STOP, save_top_k=-1,
+                                 filename="{step}", async_save=kwargs.pop("async_save", False))]
+    trainer = Trainer(strategy=FSDPStrategy() if name == "fsdp" else name, devices=world_size,
+                      max_steps=kwargs.pop("max_steps", STREAM_TOTAL), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=callbacks, default_root_dir=root)
+    module = StreamRegression()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, stream_loader(log_dir, rank, world_size, workers, stateful, **kwargs), ckpt_path=ckpt_path)
+    loads = [int(line) for f in os.listdir(log_dir) for line in open(os.path.join(log_dir, f))]
+    return {"weights": trainer.strategy.full_state_dict(), "trained": module.trained, "loads": loads,
+            "warnings": [str(w.message) for w in caught]}
+
+
+def body_stream_resume(root: str, name: str, workers: int, stateful: bool, async_save: bool) -> dict:
+    straight = fit_stream(os.path.join(root, "straight"), name, workers, stateful, async_save=async_save)
+    checkpoint = os.path.join(root, "straight", "ckpt", f"step={STREAM_STOP}")
+    resumed = fit_stream(os.path.join(root, "resumed"), name, workers, stateful, ckpt_path=checkpoint)
+    return {"straight": straight, "resumed": resumed, "checkpoint": checkpoint}
+
+
+@pytest.mark.parametrize("name, workers, stateful, async_save", [
+    ("ddp", 2, True, False),  # torchdata's StatefulDataLoader: its state holds each worker's position
+    ("fsdp", 0, False, True),  # a plain DataLoader without workers: the HuggingFace dataset's own state
+])
+def test_a_resumed_stream_reads_on_from_the_loaders_own_state(rank_pool, tmp_path, name, workers, stateful,
+                                                               async_save):
+    """Nothing trained before the checkpoint is loaded again, every row is trained once per epoch, and the resumed
+    run ends with the uninterrupted run's weights exactly."""
+    from collections import Counter
+
+    ranks = rank_pool(2).run(body_stream_resume, str(tmp_path), name, workers, stateful, async_save)
+    for rank, result in enumerate(ranks):
+        straight, resumed = result["straight"], result["resumed"]
+        trained_before = straight["trained"][: STREAM_STOP * STREAM_BATCH]
+        assert Counter(straight["trained"]) == {row: 2 for row in set(straight["trained"])}, rank  # once an epoch
+        assert len(set(straight["trained"])) == ROWS // 2, rank
+        assert resumed["trained"] == straight["trained"][STREAM_STOP * STREAM_BATCH:], rank
+        # each row loaded once for each time the resumed run trains it: none of those trained before again
+        assert Counter(resumed["loads"]) == Counter(resumed["trained"]), (rank, sorted(resumed["loads"]))
+        assert len(resumed["loads"]) == (STREAM_TOTAL - STREAM_STOP) * STREAM_BATCH  # 24 rows, not 36
+        assert not set(trained_before) - set(straight["trained"][STREAM_BATCH * 6:]), rank  # (all back in epoch 2)
+        assert_states_close(resumed["weights"], straight["weights"], atol=0)
+        assert not [w for w in straight["warnings"] + resumed["warnings"] if "same first training batch" in w]
+        assert not [w for w in resumed["warnings"] if "loaded again" in w]
+    if stateful:  # per-rank state on another world size: an error naming the choices, or the opt-out
+        checkpoint = ranks[0]["checkpoint"]
+        with pytest.raises(ValueError, match=r"resume on 2 ranks, or pass fit\(\.\.\., restore_loader_state=False\)"):
+            fit_one_process(str(tmp_path / "one"), checkpoint)
+        with pytest.warns(UserWarning, match="loaded again to skip them"):
+            weights = fit_one_process(str(tmp_path / "opt-out"), checkpoint, restore_loader_state=False)
+        assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def fit_one_process(root: str, checkpoint: str, **fit_kwargs) -> dict:
+    os.makedirs(os.path.join(root, "rank0"))
+    trainer = Trainer(devices=1, max_steps=STREAM_TOTAL, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=root)
+    module = StreamRegression()
+    trainer.fit(module, stream_loader(os.path.join(root, "rank0"), 0, 1, 0, True), ckpt_path=checkpoint, **fit_kwargs)
+    return trainer.strategy.full_state_dict()
+
+
+def body_unsplit_stream(root: str) -> list[str]:
+    return fit_stream(root, "ddp", 0, True, max_steps=1, split=False)["warnings"]
+
+
+def test_a_stream_not_split_by_rank_is_reported_in_the_first_step(rank_pool, tmp_path):
+    ranks = rank_pool(2).run(body_unsplit_stream, str(tmp_path))
+    reported = [w for w in ranks[0] if "same first training batch" in w]
+    assert len(reported) == 1 and "split_dataset_by_node" in reported[0], ranks[0]
+    assert not [w for w in ranks[1] if "same first training batch" in w]

@@ -10,6 +10,7 @@ part in the others' steps.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -87,7 +88,8 @@ def distributed_loader(
     if isinstance(loader.dataset, IterableDataset) or _is_distributed(loader):
         _report_repeated_samples(loader, rank)
         return loader
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)) or loader.batch_size is None:
+    random_samplers = (RandomSampler, *_torchdata_random_sampler())
+    if not isinstance(loader.sampler, (*random_samplers, SequentialSampler)) or loader.batch_size is None:
         if world_size == 1:
             return loader
         raise ValueError(
@@ -102,14 +104,15 @@ def distributed_loader(
             loader.dataset,
             num_replicas=world_size,
             rank=rank,
-            shuffle=isinstance(loader.sampler, RandomSampler),
+            shuffle=isinstance(loader.sampler, random_samplers),
             seed=seed,
             drop_last=loader.drop_last,
             batch_size=loader.batch_size,
             seed_batches=loader.num_workers > 0,
         )
         sampling = {"batch_size": loader.batch_size, "sampler": sampler, "drop_last": loader.drop_last}
-    rebuilt = DataLoader(
+    loader_class, extra = _same_kind(loader)
+    rebuilt = loader_class(
         loader.dataset,
         **sampling,
         num_workers=loader.num_workers,
@@ -121,9 +124,25 @@ def distributed_loader(
         generator=loader.generator,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         persistent_workers=loader.persistent_workers,
+        **extra,
     )
     _report_repeated_samples(rebuilt, rank)
     return rebuilt
+
+
+def _torchdata_random_sampler() -> tuple[type, ...]:
+    """torchdata's RandomSampler (what StatefulDataLoader(shuffle=True) makes), when torchdata is in use."""
+    module = sys.modules.get("torchdata.stateful_dataloader.sampler")
+    return (module.RandomSampler,) if module is not None else ()
+
+
+def _same_kind(loader: DataLoader) -> tuple[type, dict[str, Any]]:
+    """The class to rebuild `loader` as, and its own further arguments: torchdata's StatefulDataLoader stays one
+    (its position is then the Trainer's sampler's, as for a DataLoader); any other loader becomes a DataLoader."""
+    stateful = getattr(sys.modules.get("torchdata.stateful_dataloader"), "StatefulDataLoader", None)
+    if stateful is not None and isinstance(loader, stateful):
+        return stateful, {"snapshot_every_n_steps": loader.snapshot_every_n_steps, "in_order": loader.in_order}
+    return DataLoader, {}
 
 
 def _report_repeated_samples(loader: DataLoader, rank: int) -> None:
@@ -149,6 +168,12 @@ def batches_per_rank(loader: Any) -> list[int] | None:
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
+    """The epoch for the loader's samplers and, as Accelerate and HuggingFace's Trainer do, for an iterable dataset
+    with `set_epoch` (a HuggingFace `IterableDataset` reshuffles by it, and applies a restored state only in the
+    epoch it was saved in)."""
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, IterableDataset) and callable(getattr(dataset, "set_epoch", None)):
+        dataset.set_epoch(epoch)
     sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)

@@ -43,7 +43,8 @@ def unless_undefined(trainer: Trainer, module: Any, val_loader: Any) -> Any:
 
 def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None, log: bool = True) -> dict[str, float]:
     """One pass of validation or test; returns the epoch metrics. The epoch-end hooks run before the epoch's
-    metrics are closed, so what they log belongs to this epoch (as Lightning orders them)."""
+    metrics are closed, so what they log belongs to this epoch, and after the logged metric objects are computed
+    (as Lightning orders them)."""
     t, module, strategy = trainer, trainer.module, trainer.strategy
     name = "validation" if stage == "validate" else "test"
     if limit is None:
@@ -64,7 +65,7 @@ def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None
 
     with torch.no_grad():
         some_rank_idle = run_steps(t, loader, limit, stage, step)
-    t.metrics.start_epoch_end()
+    t.metrics.start_epoch_end(module, some_rank_idle)  # the metric objects computed first, as in Lightning
     t._call(f"on_{name}_epoch_end")
     metrics = t.metrics.end_epoch(module, some_rank_idle)
     if log:

@@ -26,24 +26,26 @@ from callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
 
 from . import preemption
 from .agreement import Agreement, agree
-from .data import limit_batches, loader_length, set_epoch
+from .data import loader_length, set_epoch
 from .evaluation import evaluate, log_metrics, to_step
 from .nonfinite import nonfinite_losses
 from .optimizers import step_schedulers
 from .resume_sampler import start_at_batch
 from .seed import rng_state, set_rng_state
+from .stream_check import warn_if_unsplit
 from .uneven import Lookahead, report_unused
 
 if TYPE_CHECKING:
+    from .fit_data import FitLoaders
     from .trainer import Trainer
 
 READ_EPOCH_METRICS = (ModelCheckpoint, EarlyStopping, ProgressBar)  # their on_train_epoch_end comes after the metrics
 
 
 class StepRunner:
-    def __init__(self, trainer: Trainer, train_loader: Any, val_loader: Any) -> None:
+    def __init__(self, trainer: Trainer, loaders: FitLoaders) -> None:
         self.trainer, self.strategy, self.module = trainer, trainer.strategy, trainer.module
-        self.train_loader, self.val_loader = train_loader, val_loader
+        self.loaders = loaders  # built when first used, in Lightning's order (fit_data.py)
         self.optimizer = trainer.optimizers[0] if trainer.optimizers else None
         self._backward_in_window = False
         self._unsynced = False  # the window's gradients await the reduction no_sync held back
@@ -53,19 +55,20 @@ class StepRunner:
         self._clock: tuple[float, float] = (0.0, 0.0)  # (time_elapsed before this fit, when its training started)
         self.agreed = Agreement()  # the ranks' agreement after the latest training_step
         self._batches: Any = None  # this epoch's training batches
+        self._stream_checked = False  # whether the first step compared the ranks' first batches (stream_check.py)
+
+    train_loader = property(lambda self: self.loaders.train)
+    val_loader = property(lambda self: self.loaders.val)
 
     # ---- fit ----------------------------------------------------------------------------------------
     def fit(self) -> None:
         t = self.trainer
-        t.num_training_batches = limit_batches(
-            self.train_loader, t.limit_train_batches, "limit_train_batches"
-        )
-        if self.val_loader is not None:
-            t.num_val_batches = limit_batches(self.val_loader, t.limit_val_batches, "limit_val_batches")
-        self._check_val_check_interval()
         self._log_start()
         t._call("on_fit_start")
-        self._sanity_check()
+        self._sanity_check()  # the validation loader is built here when there is a sanity check
+        self.loaders.train  # noqa: B018  (then the training loader, then the validation loader: Lightning's order)
+        self.loaders.val  # noqa: B018
+        self._check_val_check_interval()
         t._call("on_train_start")
         t.timer.start()
         self._clock = (t.state.time_elapsed, time.monotonic())
@@ -133,6 +136,9 @@ class StepRunner:
         for batch_idx, batch in self._epoch_batches(t.state.batches_done_in_epoch):
             if batch_idx >= t.num_training_batches:
                 break
+            if not self._stream_checked:  # the first step only
+                self._stream_checked = True
+                warn_if_unsplit(self.strategy, self.train_loader, batch)
             with self._naming_the_step(batch_idx):
                 self.train_batch(batch, batch_idx)
                 if self._validation_due(batch_idx):
@@ -152,19 +158,22 @@ class StepRunner:
 
     def _epoch_batches(self, skip: int) -> Iterator[tuple[int, Any]]:
         """(batch_idx, batch) of this epoch from batch `skip` on (the batches trained before a mid-epoch resume).
-        The sampler the Trainer built starts there, and the random state is the checkpoint's from the first batch
-        on (making the iterator draws from it); any other loader has the skipped batches loaded and dropped."""
+        The sampler the Trainer built starts there, and a loader that keeps its own state gets the checkpoint's
+        (loader_state.py); the random state is the checkpoint's from the first batch on (making the iterator, and
+        reading one batch ahead, draw from it). Any other loader has the skipped batches loaded and dropped."""
         self.agreed = Agreement()
         resume_rng = rng_state() if skip else None  # the checkpoint's
+        position = self.trainer.loader_position
+        restored = bool(skip) and position.restore()
         if loader_length(self.train_loader) is None:
             self._batches = self._looked_ahead()
-        elif skip and start_at_batch(self.train_loader, skip):
-            self._batches = self.train_loader
-            batches = iter(self.train_loader)
-            set_rng_state(resume_rng)
-            return enumerate(batches, start=skip)
+            starts_there = restored
         else:
-            self._batches = self.train_loader
+            starts_there = restored or (bool(skip) and start_at_batch(self.train_loader, skip))
+            self._batches = iter(self.train_loader) if starts_there else self.train_loader
+        if starts_there:
+            set_rng_state(resume_rng)
+            return enumerate(self._batches, start=skip)
         if skip:
             _warn_loading_skipped(self.train_loader, skip)
         return _skipping(enumerate(self._batches), skip, resume_rng)
@@ -172,7 +181,7 @@ class StepRunner:
     def _looked_ahead(self) -> Lookahead:
         """A loader without a length (an iterable dataset, whose ranks may run out at different times), looked
         ahead, so that each training_step's agreement says whether a rank ran out."""
-        batches = Lookahead(self.train_loader)
+        batches = Lookahead(self.train_loader, self.trainer.loader_position)
         if self.strategy.distributed and not self.strategy.reduce_boolean_decision(batches.has_next):
             batches.close()  # some rank has no batch at all: the epoch is empty on every rank
             self.agreed = Agreement(last_batch=True)
@@ -369,10 +378,21 @@ class StepRunner:
 
     def _sanity_check(self) -> None:
         """A few validation batches before training (num_sanity_val_steps, as Lightning), so that a broken
-        validation_step fails in seconds; nothing it logs is kept, and checkpoint callbacks ignore it."""
+        validation_step fails in seconds; nothing it logs is kept, and checkpoint callbacks ignore it. As in
+        Lightning, the random state is put back afterwards: what the validation loader's hook and the batches drew
+        from it does not change the training."""
+        before = rng_state()
+        try:
+            self._sanity_steps()
+        finally:
+            set_rng_state(before)
+
+    def _sanity_steps(self) -> None:
         t = self.trainer
+        if t.num_sanity_val_steps == 0 or t.limit_val_batches == 0 or self.val_loader is None:
+            return
         steps = t.num_val_batches if t.num_sanity_val_steps == -1 else min(t.num_sanity_val_steps, t.num_val_batches)
-        if self.val_loader is None or steps == 0:
+        if steps == 0:
             return
         t.sanity_checking = True
         t._call("on_sanity_check_start")
@@ -401,7 +421,9 @@ def _warn_loading_skipped(loader: Any, skip: int) -> None:
     warnings.warn(
         f"resuming in the middle of an epoch: the {skip} batches already trained are loaded again to skip them, "
         "since the training loader's sampler is not one the Trainer built (a DataLoader with a sampler of your "
-        "own, use_distributed_sampler=False, or an iterable dataset)"
+        "own, use_distributed_sampler=False, or an iterable dataset) and the checkpoint holds no state of the "
+        "loader's own to restore (give a stream to torchdata's StatefulDataLoader, or resume with "
+        "restore_loader_state=True at the checkpoint's world size, to read on where it was)"
         + (f"; with num_workers={workers}, random augmentation in the workers then differs from an uninterrupted "
            "run" if workers else ""),
         stacklevel=3,

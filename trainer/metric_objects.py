@@ -3,6 +3,8 @@
 
 `self.log(name, metric)`: on a step the value of the batch (what calling the metric returned), at the epoch's end
 `compute()`, which syncs the metric's states across ranks by itself (so `sync_dist` adds nothing), then `reset()`.
+As in Lightning, the metrics logged in the steps are computed before the epoch-end hook (they are in
+`trainer.callback_metrics` there), so a module that resets them in that hook still logs their epoch value.
 `self.log_dict(collection)` logs each metric of a `MetricCollection` so. The states are attributes of the metric,
 a submodule of the TrainModule: they move with it to the strategy's device and are never sharded (no parameters).
 """
@@ -59,16 +61,20 @@ def step_value(name: str, metric: Any) -> torch.Tensor:
     return _scalar(name, value)
 
 
-def compute_and_reset(metrics: dict[str, EpochMetric]) -> dict[str, tuple[torch.Tensor, bool, bool]]:
+def compute(metrics: dict[str, EpochMetric], done: dict[str, Any]) -> dict[str, tuple[torch.Tensor, bool, bool]]:
     """Each per-epoch metric's compute() in sorted order of names (a collective sync, so the same order on every
-    rank), then every logged metric reset."""
+    rank), except those already in `done` (computed before the epoch-end hook, as Lightning computes them)."""
     results = {}
-    for name in sorted(n for n, entry in metrics.items() if entry.on_epoch):
+    for name in sorted(n for n, entry in metrics.items() if entry.on_epoch and n not in done):
         entry = metrics[name]
         results[name] = (_scalar(name, entry.metric.compute()), entry.prog_bar, entry.to_logger)
+    return results
+
+
+def reset(metrics: dict[str, EpochMetric]) -> None:
+    """Every logged metric reset, once each."""
     for metric in {id(e.metric): e.metric for e in metrics.values()}.values():
         metric.reset()
-    return results
 
 
 def agree_on_entries(values: dict[str, Any], metrics: dict[str, EpochMetric], module: Any,

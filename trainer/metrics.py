@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .metric_objects import EpochMetric, agree_on_entries, compute_and_reset, is_metric, step_value
+from .metric_objects import EpochMetric, agree_on_entries, compute, is_metric, reset, step_value
 
 Reduce = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, "sum" | "max" | "min") over the ranks
 REDUCE_FX = ("mean", "sum", "max", "min")
@@ -81,12 +81,23 @@ class MetricCollector:
     at_epoch_end: bool = False  # in an epoch-end hook: per epoch by default, no step to log at
     _epoch: dict[str, dict[str, _EpochValue]] = field(default_factory=dict)  # by stage, by name
     _metrics: dict[str, dict[str, EpochMetric]] = field(default_factory=dict)  # metric objects, by stage, by name
+    _computed: dict[str, dict[str, Any]] = field(default_factory=dict)  # before the epoch-end hook, by stage
 
     def start_step(self, batch: Any) -> None:
         self.batch_size, self.at_epoch_end = infer_batch_size(batch), False
 
-    def start_epoch_end(self) -> None:
-        """What the epoch-end hooks log next is per epoch (by default) and belongs to the epoch ending."""
+    def start_epoch_end(self, module: Any = None, some_rank_idle: bool = False) -> None:
+        """Before the epoch-end hooks: the metric objects logged in the steps are computed and published (as
+        Lightning computes them there, so a reset in the hook does not lose them); what the hooks log next is per
+        epoch (by default) and belongs to the epoch ending. Every rank calls it; `module`, `some_rank_idle`: as
+        for end_epoch."""
+        metrics = self._metrics.setdefault(self.stage, {})
+        if some_rank_idle:  # a rank that ran no step finds the metrics the others logged, to compute them too
+            agree_on_entries(self._epoch.setdefault(self.stage, {}), metrics, module, self.gather, _synced_placeholder)
+        computed = compute(metrics, {})
+        for name, (value, prog_bar, _) in computed.items():
+            self._publish(self._epoch_name(name), value, prog_bar)
+        self._computed[self.stage] = computed
         self.batch_size, self.at_epoch_end = 1, True
 
     def log(
@@ -195,19 +206,24 @@ class MetricCollector:
         agree on what they logged (`module`: where such a rank finds the metric objects)."""
         values = self._epoch.pop(self.stage, {})
         metrics = self._metrics.pop(self.stage, {})
+        results = self._computed.pop(self.stage, {})
         if some_rank_idle:
             agree_on_entries(values, metrics, module, self.gather, _synced_placeholder)
-        results = compute_and_reset(metrics)
+        results.update(compute(metrics, results))
+        reset(metrics)
         results.update(self._reduced(values))
         out = {}
         for name in sorted(results):
             value, prog_bar, to_logger = results[name]
-            published = f"{name}_epoch" if f"{name}_step" in self.callback_metrics else name
+            published = self._epoch_name(name)
             self._publish(published, value, prog_bar)
             if to_logger:
                 out[published] = float(value)
         self.at_epoch_end = False
         return out
+
+    def _epoch_name(self, name: str) -> str:
+        return f"{name}_epoch" if f"{name}_step" in self.callback_metrics else name
 
     def _reduced(self, values: dict[str, _EpochValue]) -> dict[str, tuple[torch.Tensor, bool, bool]]:
         """Each epoch value, over the ranks too where synced: the synced values of all names travel in one

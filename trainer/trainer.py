@@ -28,7 +28,9 @@ from .data import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
 from .divergence import enabled_by_env as divergence_by_env
 from .evaluation_steps import StepMemory
+from .fit_data import FitLoaders
 from .instruments import during_fit
+from .loader_state import LoaderPosition
 from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
@@ -258,6 +260,9 @@ class Trainer:
         self.checkpointer = Saver()  # writes checkpoints; at most one save in flight
         self.num_training_batches = 0
         self.num_val_batches = 0
+        self._fit_loaders: FitLoaders | None = None
+        self.loader_position = LoaderPosition()  # the training loader's own state, for checkpoints
+        self.restore_loader_state = True  # fit's argument
         self.sanity_checking = False
         self._fit_called = False
 
@@ -304,6 +309,7 @@ class Trainer:
         datamodule: DataModule | None = None,
         *,
         trust_pickled: bool = False,
+        restore_loader_state: bool = True,
     ) -> None:
         """Train `module`, validating as `val_check_interval` says.
 
@@ -324,12 +330,18 @@ class Trainer:
                 data and the project's state types. Only for a checkpoint whose writer you trust: unpickling can
                 run code. Without it, a checkpoint that holds other types is refused with a `CheckpointError`
                 naming them (see Checkpoints in the docs).
+            restore_loader_state: when `ckpt_path` holds the training loader's own state (a loader with
+                `state_dict()`, such as torchdata's `StatefulDataLoader`, saved in the middle of an epoch), load it
+                into the loader, so that it reads on where the checkpoint was. That state is per rank: resuming on
+                another world size raises an error unless this is `False`, which reads the epoch's data again
+                from its start and skips the batches already trained (see "Streaming data" in the docs).
 
         Raises:
             RuntimeError: if `fit` was already called on this Trainer.
             TypeError: if `module` is not a `TrainModule`.
             ValueError: if no training loader is given and the module's (or datamodule's) hook returns None; if
-                `val_check_interval` is more batches than a training epoch has.
+                `val_check_interval` is more batches than a training epoch has; if `ckpt_path` holds per-rank
+                loader state of another world size and `restore_loader_state` is True.
             FloatingPointError: on a non-finite loss with `on_nonfinite="error"`.
         """
         (train_dataloaders, ckpt_path), datamodule = datamodule_in(train_dataloaders, ckpt_path, datamodule=datamodule)
@@ -339,13 +351,18 @@ class Trainer:
                 "to that run). Create a new Trainer for another fit; to continue a run, pass ckpt_path to the new "
                 "Trainer's fit"
             )
+        self.restore_loader_state = config.check_bool("restore_loader_state", restore_loader_state)
         self._fit_called = True
         self._choose_strategy(module, train_dataloaders)
         self._setup(module, "fit", datamodule)
         source = datamodule or module
-        train_loader = self._loader(train_dataloaders, source.train_dataloader, "train_dataloaders", required=True)
-        val_loader = self._loader(val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
-        val_loader = evaluation.unless_undefined(self, module, val_loader)
+        self._fit_loaders = FitLoaders(  # asked for when Lightning asks (fit_data.py)
+            self,
+            lambda: self._loader(train_dataloaders, source.train_dataloader, "train_dataloaders", required=True),
+            lambda: evaluation.unless_undefined(
+                self, module, self._loader(val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
+            ),
+        )
         self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
             module, self.strategy
         )
@@ -355,7 +372,7 @@ class Trainer:
             self._restore(ckpt_path, trust_pickled=trust_pickled)
         # SIGTERM stays noted until the stage has ended; the step timer, profiler and divergence check watch the fit
         with self.signal_watch, self._stage("fit"), during_fit(self):
-            StepRunner(self, train_loader, val_loader).fit()
+            StepRunner(self, self._fit_loaders).fit()
 
     def validate(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
@@ -650,6 +667,8 @@ class Trainer:
     def estimated_stepping_batches(self) -> int:
         """The number of optimizer steps `fit` will take, from `max_epochs`, `max_steps`, the training batches
         per epoch and `accumulate_grad_batches` (for a scheduler's `total_steps`)."""
+        if self._fit_loaders is not None:
+            self._fit_loaders.train  # noqa: B018  (built now if not yet, as Lightning's property does)
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
         by_epochs = per_epoch * self.max_epochs if self.max_epochs > 0 else float("inf")
         return int(min(by_epochs, self.max_steps if self.max_steps > 0 else float("inf")))

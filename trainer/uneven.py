@@ -17,12 +17,21 @@ _COUNT_LEFT_CAP = 10_000  # batches a rank counts when it reports what it left u
 
 class Lookahead:
     """Iterates a loader one batch ahead, so that `has_next` says whether this rank has another batch. Used for
-    loaders without a length; a loader with one needs no look ahead (the batch index says it)."""
+    loaders without a length; a loader with one needs no look ahead (the batch index says it).
 
-    def __init__(self, loader: Iterable) -> None:
+    With a `position` (loader_state.LoaderPosition) whose loader keeps its own state, that state is taken after
+    each batch is read, before the next one, and handed on with the batch: a checkpoint then holds the state after
+    the batch trained, not after the one read ahead."""
+
+    def __init__(self, loader: Iterable, position: Any = None) -> None:
+        self._position = position if position is not None and position.target is not None else None
         self._iterator = iter(loader)
         self._next = next(self._iterator, _END)
+        self._next_state = self._state()
         self._closed = False
+
+    def _state(self) -> Any:
+        return self._position.capture() if self._position is not None else None
 
     @property
     def has_next(self) -> bool:
@@ -34,7 +43,11 @@ class Lookahead:
     def __next__(self) -> Any:
         if self._closed or self._next is _END:
             raise StopIteration
-        batch, self._next = self._next, next(self._iterator, _END)
+        batch, state = self._next, self._next_state
+        if self._position is not None:
+            self._position.taken(state)
+        self._next = next(self._iterator, _END)
+        self._next_state = self._state() if self._next is not _END else None
         return batch
 
     def close(self) -> None:

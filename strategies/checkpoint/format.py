@@ -11,6 +11,8 @@ Inside, the keys are those DCP gives {"model": ..., "optim": ..., "trainer": ...
     optim.param_groups.<i>.<key>   each group's hyperparameters and "params" (its parameters' names)
     trainer                        epoch, step, position, schedulers, callbacks, loss scale, on_save_checkpoint
     rng.<rank>                     each rank's RNG states
+    loader.<rank>                  each rank's training-loader state, where the loader keeps one and the
+                                   checkpoint is in the middle of an epoch (trainer/loader_state.py)
     meta                           world size, strategy, global step, tied aliases, state-dict keys, optimizer classes
     ema.<name>                     with callbacks.EMA: the moving average of each trainable parameter, sharded like
                                    "model" (callbacks may add such sharded state under keys of their own)
@@ -47,6 +49,7 @@ FORMAT_VERSION = 2
 META_FILE = "meta.json"
 DCP_METADATA = ".metadata"
 MODEL, TRAINER, RNG, META = "model", "trainer", "rng", "meta"
+LOADER = "loader"
 EMA = "ema"  # callbacks.EMA's key
 BLOCK = 1 << 22
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..sharding import FlatPieces
 from . import format, unpickling
-from .format import META, MODEL, RNG, TRAINER, CheckpointError
+from .format import LOADER, META, MODEL, RNG, TRAINER, CheckpointError
 from .planners import ShardLoadPlanner
 
 
@@ -108,13 +108,13 @@ def open_source(path: str | os.PathLike, trust_pickled: bool = False) -> Source:
 def leaves(state: Mapping[str, Any]) -> Iterator[tuple[tuple, Any]]:
     """(path, value) of everything a checkpoint's nested dict holds, split as DCP splits it when it saves:
     into dicts and into lists that hold tensors or containers; the trainer state, meta and each rank's RNG
-    states are single objects."""
+    states and loader state are single objects."""
     for top, value in state.items():
         if top in (TRAINER, META):
             yield (top,), value
-        elif top == RNG:
-            for rank, rng in value.items():
-                yield (RNG, str(rank)), rng
+        elif top in (RNG, LOADER):
+            for rank, per_rank in value.items():
+                yield (top, str(rank)), per_rank
         else:
             yield from _split((str(top),), value)
 

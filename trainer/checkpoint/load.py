@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strategies.checkpoint import model_state
-from strategies.checkpoint.format import EMA, META, MODEL, RNG, TRAINER, CheckpointError, optim_key
+from strategies.checkpoint.format import EMA, LOADER, META, MODEL, RNG, TRAINER, CheckpointError, optim_key
 from strategies.checkpoint.model_state import read_meta_item
 from strategies.checkpoint.source import Source, open_source
 
+from ..loader_state import check_world_size
 from .trainer_state import callbacks_sharded_targets, optimizers, restore_trainer_state
 
 if TYPE_CHECKING:
@@ -26,7 +27,13 @@ def restore(trainer: Trainer, path: str, weights_only: bool, trust_pickled: bool
     source = open_source(path, trust_pickled)
     meta = read_meta_item(source)
     same_world = meta.get("world_size") == trainer.world_size
+    with_loader = not weights_only and any(p[0] == LOADER for p in source.paths.values())
+    restore_loader = with_loader and trainer.restore_loader_state
+    if restore_loader:
+        check_world_size(path, meta.get("world_size"), trainer.world_size)
+    loader_key = f"{LOADER}.{trainer.global_rank}"
     tops = set() if weights_only else {TRAINER, *([f"{RNG}.{trainer.global_rank}"] if same_world else [])}
+    tops |= {loader_key} if restore_loader else set()
     keyed = [] if weights_only else optimizers(trainer)
     objects = source.read({key: None for key in model_state.object_keys(source, tops | {k for k, _, _ in keyed})})
     if not weights_only and TRAINER not in objects:
@@ -40,6 +47,7 @@ def restore(trainer: Trainer, path: str, weights_only: bool, trust_pickled: bool
     model_state.read_into(trainer.strategy, source, MODEL, loading, callbacks_sharded_targets(trainer, source))
     if not weights_only:
         restore_trainer_state(trainer, objects[TRAINER], objects.get(f"{RNG}.{trainer.global_rank}"))
+        trainer.loader_position.pending = objects.get(loader_key)
 
 
 def check_compatible(

@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from strategies.checkpoint import files, model_state
-from strategies.checkpoint.format import META, MODEL, RNG, TRAINER
+from strategies.checkpoint.format import LOADER, META, MODEL, RNG, TRAINER
 from strategies.checkpoint.planners import Pickled
 from strategies.checkpoint.writer import CheckpointWriter
 
@@ -21,10 +21,14 @@ if TYPE_CHECKING:
 
 
 def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
-    """This rank's nested state dict for DCP: its pieces of the model and optimizer state and its RNG states;
-    on rank 0 also the buffers, the parameter groups, the trainer state and the meta description."""
+    """This rank's nested state dict for DCP: its pieces of the model and optimizer state, its RNG states and, in
+    the middle of an epoch, its training loader's own state (where it keeps one); on rank 0 also the buffers, the
+    parameter groups, the trainer state and the meta description."""
     state = model_state.pieces(trainer.strategy, MODEL, optimizers(trainer))
     state[RNG] = {str(trainer.global_rank): Pickled(rng_state(), f"{RNG}.{trainer.global_rank}")}
+    loader_state = trainer.loader_position.saved() if trainer.state.batches_done_in_epoch else None
+    if loader_state is not None:
+        state[LOADER] = {str(trainer.global_rank): Pickled(loader_state, f"{LOADER}.{trainer.global_rank}")}
     state.update(callbacks_sharded_state(trainer))  # before the callbacks' state_dict, which may follow it
     if trainer.is_global_zero:
         state[TRAINER], state[META] = Pickled(trainer_state(trainer), TRAINER), Pickled(meta(trainer), META)

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from strategies.checkpoint import model_state
-from strategies.checkpoint.format import META, MODEL, RNG, TRAINER, optim_key
+from strategies.checkpoint.format import LOADER, META, MODEL, RNG, TRAINER, optim_key
 
 from ..seed import set_rng_state
 
@@ -54,7 +54,7 @@ def meta(trainer: Trainer) -> dict[str, Any]:
 
 def is_callback_key(top: str) -> bool:
     """Whether a top-level checkpoint key may hold a callback's sharded state (Callback.sharded_state)."""
-    return top not in (MODEL, TRAINER, RNG, META) and not top.startswith("optim")
+    return top not in (MODEL, TRAINER, RNG, META, LOADER) and not top.startswith("optim")
 
 
 def callbacks_sharded_state(trainer: Trainer) -> dict[str, dict[str, Any]]:
@@ -63,8 +63,9 @@ def callbacks_sharded_state(trainer: Trainer) -> dict[str, dict[str, Any]]:
     for cb in trainer.callbacks:
         for key, entries in cb.sharded_state(trainer).items():
             if not is_callback_key(key) or key in out:
+                taken = sorted({MODEL, "optim", TRAINER, RNG, META, LOADER, *out})
                 raise ValueError(f"{type(cb).__name__}.sharded_state: key {key!r} is taken (by the checkpoint itself "
-                                 f"or another callback); taken: {sorted({MODEL, 'optim', TRAINER, RNG, META, *out})}")
+                                 f"or another callback); taken: {taken}")
             out[key] = entries
     return out
 

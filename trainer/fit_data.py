@@ -1,0 +1,47 @@
+"""fit's loaders, asked of the module (or datamodule) when Lightning asks for them: after `configure_optimizers` and
+`on_fit_start`; the validation loader for the sanity check, then the training loader, then (without a sanity
+check) the validation loader; with `limit_val_batches=0` never. Data that those hooks build from the global random
+generator (Lightning's `BoringModel`: `RandomDataset`) is then the data Lightning's Trainer trains on under the same
+seed. `trainer.estimated_stepping_batches` builds the training loader earlier, as Lightning's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .data import limit_batches
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+_UNBUILT = object()
+
+
+class FitLoaders:
+    def __init__(self, trainer: Trainer, make_train: Callable[[], Any], make_val: Callable[[], Any]) -> None:
+        self.trainer = trainer
+        self._make_train, self._make_val = make_train, make_val
+        self._train: Any = _UNBUILT
+        self._val: Any = _UNBUILT
+
+    @property
+    def train(self) -> Any:
+        """The training loader, built at the first use; its batches per epoch are in num_training_batches."""
+        if self._train is _UNBUILT:
+            t = self.trainer
+            self._train = self._make_train()
+            t.loader_position.attach(self._train)
+            t.num_training_batches = limit_batches(self._train, t.limit_train_batches, "limit_train_batches")
+        return self._train
+
+    @property
+    def val(self) -> Any:
+        """The validation loader (None without validation), built at the first use; its batches per run are in
+        num_val_batches."""
+        if self._val is _UNBUILT:
+            t = self.trainer
+            self._val = None if t.limit_val_batches == 0 else self._make_val()
+            if self._val is not None:
+                t.num_val_batches = limit_batches(self._val, t.limit_val_batches, "limit_val_batches")
+        return self._val

@@ -1,0 +1,104 @@
+"""The training loader's own position, saved per rank with each checkpoint and restored on resume, for loaders that
+keep one: torchdata's `StatefulDataLoader`, or a `DataLoader` without workers over an iterable dataset with
+`state_dict()` / `load_state_dict()` (a HuggingFace `IterableDataset`, the user's own). A resumed run then reads on
+from where the checkpoint was, instead of loading the epoch's trained batches again to skip them.
+
+A map-style loader the Trainer rebuilt with its own sampler keeps its position as a batch count (resume_sampler.py):
+that one works at any world size. A loader's own state is per rank, so it is restored only at the world size that
+saved it; at another, `fit(..., restore_loader_state=False)` re-reads the epoch's data from its start instead.
+
+The state is stored as plain Python types and tensors (NumPy arrays and scalars converted), so that a checkpoint
+reads back with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset
+
+from .resume_sampler import ResumableSampler
+
+LOADER_STATE_ARGUMENT = "restore_loader_state"
+
+
+def _has_state(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def stateful_part(loader: Any) -> Any | None:
+    """What holds `loader`'s position in its `state_dict()`: the loader itself, or (without workers, whose copies
+    of the dataset the main process cannot see) its iterable dataset; None when neither does, or when the position
+    is the Trainer's own sampler's."""
+    if isinstance(getattr(loader, "sampler", None), ResumableSampler):
+        return None
+    if _has_state(loader):
+        return loader
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, IterableDataset) and _has_state(dataset) and getattr(loader, "num_workers", 0) == 0:
+        return dataset
+    return None
+
+
+def plain(value: Any) -> Any:
+    """`value` in plain types (dicts, lists, tuples, numbers, strings, None, tensors): NumPy arrays as lists and
+    NumPy scalars as Python numbers; anything else is kept as it is."""
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [plain(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if type(value).__module__ == "numpy":
+        return value.tolist() if hasattr(value, "tolist") else value
+    return value
+
+
+class LoaderPosition:
+    """The training loader's state after the latest batch the loop took from it, and the state a checkpoint
+    restores into it."""
+
+    def __init__(self) -> None:
+        self.target: Any = None  # what holds the position (stateful_part)
+        self.pending: dict | None = None  # a checkpoint's state, loaded into the target when its epoch starts
+        self._taken: dict | None = None  # state after the latest batch taken, when batches are looked ahead
+
+    def attach(self, loader: Any) -> None:
+        self.target, self._taken = stateful_part(loader), None
+
+    def capture(self) -> dict | None:
+        """The target's state now, copied (a loader may change the dicts it returns as it reads on)."""
+        return None if self.target is None else copy.deepcopy(self.target.state_dict())
+
+    def taken(self, state: dict | None) -> None:
+        """The state after the latest batch handed to the loop, where the loop reads one batch ahead."""
+        self._taken = state
+
+    def saved(self) -> dict | None:
+        """What a checkpoint stores: the state after the latest batch taken (in plain types), or None."""
+        if self.target is None:
+            return None
+        return plain(self._taken if self._taken is not None else self.target.state_dict())
+
+    def restore(self) -> bool:
+        """Load a checkpoint's state into the loader (before its epoch's iteration starts); whether it did."""
+        state, self.pending = self.pending, None
+        if state is None or self.target is None:
+            return False
+        self.target.load_state_dict(state)
+        return True
+
+
+def check_world_size(path: str, saved_world_size: Any, world_size: int) -> None:
+    """A checkpoint with per-rank loader state, restored, resumes at its own world size only."""
+    if saved_world_size != world_size:
+        raise ValueError(
+            f"ckpt_path={path!r} holds the training loader's own state of each of its {saved_world_size} ranks "
+            f"(where each rank's stream was), and this run has {world_size}: a rank's state cannot be split or "
+            f"merged onto other ranks. Choose one: resume on {saved_world_size} ranks, or pass "
+            f"fit(..., {LOADER_STATE_ARGUMENT}=False) to read this epoch's data again from its start (split over "
+            f"{world_size} ranks) and skip the batches already trained"
+        )
