@@ -49,6 +49,11 @@ OPTIMIZER_STATES: dict[str, int] = {
     "rmsprop": 1,  # square_avg (one more with momentum, one more if centered)
     "sgd": 0,
 }
+# torch's optimizers without foreach step one tensor at a time: Adam's `exp_avg_sq.sqrt() / bias_correction2_sqrt`
+# has two tensors of its size alive at once. With foreach (torch's default for CUDA tensors), `_foreach_sqrt` makes
+# one tensor the size of every state tensor of a parameter group (per device and dtype) before it is used.
+SINGLE_TENSOR_TEMPORARIES = 2
+FOREACH_TEMPORARIES = 1
 PREFETCHED_UNITS = 2  # fsdp: the unit computing and the next one, gathered ahead
 UNREDUCED_BUCKETS = 2  # zero2: the bucket being filled and the one whose reduce-scatter is in flight
 
@@ -153,6 +158,26 @@ def units_in_flight(units: list[PlannedUnit], spec: ShardingSpec) -> int:
     return 0
 
 
+def optimizer_step_temporaries(units: list[PlannedUnit], spec: ShardingSpec, world_size: int, states: int,
+                                foreach: bool) -> int:
+    """Bytes the optimizer's step makes and frees on the rank with the most: with foreach, one tensor the size of
+    all it steps (the plan does not know the parameter groups: one group, the most it can be); without, two
+    of the largest tensor it steps (a parameter, or this rank's piece of one under sharded optimizer state)."""
+    if states == 0:
+        return 0
+    sizes = []  # (elements, itemsize) of each tensor the optimizer steps, on the rank with the most
+    for unit in units:
+        if spec.shard_optimizer_state:
+            by_rank = (list(unit.layout.pieces(r)) for r in range(world_size))
+            pieces = max(by_rank, key=lambda ps: sum(p.numel for p in ps))
+            sizes += [(p.numel, unit.dtype.itemsize) for p in pieces if unit.trainable[p.param_index]]
+        else:
+            sizes += [(n, unit.dtype.itemsize) for n, t in zip(unit.layout.numels, unit.trainable) if t]
+    if foreach:
+        return FOREACH_TEMPORARIES * sum(n * size for n, size in sizes)
+    return SINGLE_TENSOR_TEMPORARIES * max((n * size for n, size in sizes), default=0)
+
+
 def model_state_bytes(
     model: nn.Module,
     spec: ShardingSpec,
@@ -162,10 +187,12 @@ def model_state_bytes(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
+    foreach: bool | None = None,
 ) -> StrategyMemory:
     """Bytes on `rank` (default: the rank that holds the most) with state sharded over `world_size` ranks
     (a hybrid layout would pass its shard group's size). Reads only shapes, dtypes and requires_grad: `model`
-    may live on the meta device. `activations` is left 0."""
+    may live on the meta device. `activations` and `temporaries` are left 0. `foreach`: whether the optimizer
+    steps with torch's foreach kernels (default: as torch chooses here, for CUDA tensors)."""
     states = check_optimizer(optimizer)
     if param_dtype is not None and param_dtype == next(model.parameters()).dtype:
         param_dtype = None  # nothing to cast: no separate master copy
@@ -173,5 +200,7 @@ def model_state_bytes(
     ranks = range(world_size) if rank is None else [rank]
     per_rank = [[sum(b) for b in zip(*(_unit_bytes(u, spec, r, states, reduce_dtype) for u in units))] for r in ranks]
     parameters, gradients, optimizer_bytes = max(per_rank, key=sum)
+    foreach = torch.cuda.is_available() if foreach is None else foreach
     return StrategyMemory(parameters, gradients, optimizer_bytes, units_in_flight(units, spec), 0,
-                          gradients_between_steps=not spec.shard_gradients)
+                          gradients_between_steps=not spec.shard_gradients,
+                          optimizer_step=optimizer_step_temporaries(units, spec, world_size, states, foreach))

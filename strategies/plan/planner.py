@@ -12,7 +12,7 @@ from torch import nn
 
 from ..registry import STRATEGIES
 from ..wrap import resolve_wrap_policy
-from .activations import AUTOCAST, TRUE_DTYPES, activation_bytes
+from .activations import AUTOCAST, TRUE_DTYPES, step_activations
 from .model_state import check_optimizer, model_state_bytes, optimizer_kind
 from .report import STRATEGY_ORDER, MemoryPlan
 from .sizes import format_bytes, parse_bytes
@@ -94,6 +94,7 @@ def plan_memory(
     device_memory: int | str | None = None,
     sample: Any = None,
     hybrid_shard: int | None = None,
+    foreach: bool | None = None,
 ) -> MemoryPlan:
     """Bytes per rank for every strategy. `model` (an nn.Module or TrainModule, best built on the meta device) is
     not changed. `batch_size` and `seq_len` are per rank (seq_len defaults to the model config's); `param_dtype`
@@ -101,7 +102,8 @@ def plan_memory(
     configure_optimizers returns, else adamw); `wrap_policy` and `activation_checkpointing` take FSDPStrategy's
     forms (no wrap policy: the whole model is one fsdp unit); `sample` is one sample of the training data, whose
     shapes make the batch when the module has no example_input. `hybrid_shard` (default: the ranks of one node
-    when there are several nodes) adds hsdp: fsdp sharded within groups of that many ranks."""
+    when there are several nodes) adds hsdp: fsdp sharded within groups of that many ranks. `foreach`: whether
+    the optimizer steps with torch's foreach kernels (default: as torch chooses for this machine's device)."""
     _check(world_size, nodes, batch_size, seq_len, precision)
     group = hybrid_shard if hybrid_shard is not None else (world_size // nodes if nodes > 1 else None)
     if group is not None and (not isinstance(group, int) or group < 1 or world_size % group):
@@ -120,10 +122,11 @@ def plan_memory(
     shard_over = {name: group if name in hybrid else world_size for name in strategies
                   if group is not None or name not in hybrid}
     rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
-                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer)
+                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
+                                    foreach=foreach)
             for name, ranks in shard_over.items()}
-    activations = activation_bytes(meta, batch_size, seq_len, precision, param_dtype,
-                                   resolve_wrap_policy(activation_checkpointing), sample)
+    step = step_activations(meta, batch_size, seq_len, precision, param_dtype,
+                            resolve_wrap_policy(activation_checkpointing), sample)
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
@@ -137,5 +140,6 @@ def plan_memory(
     ]
     if budget is not None:
         description.append(f"device memory per rank: {format_bytes(budget)}")
-    return MemoryPlan({name: replace(row, activations=activations) for name, row in rows.items()},
+    return MemoryPlan({name: replace(row, activations=step.saved, temporaries=step.temporaries)
+                       for name, row in rows.items()},
                       world_size, nodes, budget, description)
