@@ -60,12 +60,26 @@ class LiveBytes(FakeTensorMode):
         super().__init__()
         self.excluded: set[int] = set()
         self.counting = False
+        self.depth = 0
         self.tensors: dict[int, int] = {}  # storage -> tensors alive on it
         self.live = self.peak = 0
+        self.segment_peak = 0  # the peak since the last gradient was accumulated (see cut)
+        self.segment_peaks: list[int] = []
+
+    def cut(self) -> None:
+        """A parameter's gradient was accumulated: the peak so far is that of the segment before it."""
+        self.segment_peaks.append(self.segment_peak)
+        self.segment_peak = self.live
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.counting:
+        # An op the mode has not seen before may run as a decomposition into other ops, dispatched here too;
+        # their tensors are the op's insides, not a kernel's allocations: only the outermost op's outputs count.
+        self.depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.depth -= 1
+        if self.counting and self.depth == 0:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.track(t)
@@ -78,6 +92,7 @@ class LiveBytes(FakeTensorMode):
         if not self.tensors.get(key):
             self.live += nbytes
             self.peak = max(self.peak, self.live)
+            self.segment_peak = max(self.segment_peak, self.live)
         self.tensors[key] = self.tensors.get(key, 0) + 1
         weakref.finalize(t, self._release, key, nbytes)  # a fake tensor's object lives as long as its TensorImpl
 
@@ -274,6 +289,11 @@ class StepActivations:
 
     saved: int
     live: int
+    # The live peak between gradients: segment_peaks[i] is the peak before the parameter gradient_order[i] had its
+    # gradient accumulated (and after the one before), the last entry the peak after the last one. Strategies
+    # that hold gradients per unit add what they hold at each moment (model_state.py).
+    segment_peaks: tuple[int, ...] = ()
+    gradient_order: tuple[str, ...] = ()
 
     @property
     def temporaries(self) -> int:
@@ -326,12 +346,16 @@ def _shape_of(batch: Any) -> str:
     return str(tree_map(lambda v: f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else v, batch))
 
 
-def _drop_gradients(model: nn.Module) -> list[Any]:
+def _drop_gradients(model: nn.Module, mode: LiveBytes, order: list[str]) -> list[Any]:
     """Each parameter's gradient is let go once accumulated: the strategies hold gradients in their own buffers
-    (model_state.py counts them), so here a gradient is alive only while it is being formed."""
+    (model_state.py counts them), so here a gradient is alive only while it is being formed. Records the order
+    in which the gradients come, by parameter name."""
+    names = {id(p): name for name, p in model.named_parameters()}
 
     def drop(p: torch.Tensor) -> None:
         p.grad = None
+        mode.cut()
+        order.append(names[id(p)])
 
     return [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
 
@@ -339,11 +363,13 @@ def _drop_gradients(model: nn.Module) -> list[Any]:
 def _step_bytes(model: nn.Module, mode: LiveBytes, excluded: set[int], batch: Any, targets: Any,
                 precision: str, param_dtype: torch.dtype | None, checkpointed: Any) -> StepActivations:
     saved = SavedBytes(excluded)
-    mode.live = mode.peak = 0
+    mode.live = mode.peak = mode.segment_peak = 0
     mode.tensors.clear()
+    mode.segment_peaks.clear()
+    order: list[str] = []
     with ExitStack() as stack:
         handles = _norms_in_full_precision(model) if param_dtype is not None else []
-        handles += _drop_gradients(model)
+        handles += _drop_gradients(model, mode, order)
         for name, module in model.named_modules():
             if name and checkpointed is not None and checkpointed(module, name):
                 handles.append(module.register_forward_pre_hook(saved.enter_checkpointed))
@@ -362,4 +388,5 @@ def _step_bytes(model: nn.Module, mode: LiveBytes, excluded: set[int], batch: An
             at_backward = saved.live
             loss.backward()
         saved.kept.clear()
-    return StepActivations(max(saved.peak, at_backward + saved.largest_region), mode.peak)
+    segments = (*mode.segment_peaks, mode.segment_peak)
+    return StepActivations(max(saved.peak, at_backward + saved.largest_region), mode.peak, segments, tuple(order))

@@ -121,12 +121,12 @@ def plan_memory(
     hybrid = {name for name, s in strategies.items() if getattr(s, "hybrid_shard", None) is not None}
     shard_over = {name: group if name in hybrid else world_size for name in strategies
                   if group is not None or name not in hybrid}
+    step = step_activations(copy.deepcopy(meta), batch_size, seq_len, precision, param_dtype,
+                            resolve_wrap_policy(activation_checkpointing), sample)
     rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
-                                    foreach=foreach)
+                                    foreach=foreach, step=step)
             for name, ranks in shard_over.items()}
-    step = step_activations(meta, batch_size, seq_len, precision, param_dtype,
-                            resolve_wrap_policy(activation_checkpointing), sample)
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
