@@ -64,6 +64,7 @@ class LiveBytes(FakeTensorMode):
         self.tensors: dict[int, int] = {}  # storage -> tensors alive on it
         self.live = self.peak = 0
         self.segment_peak = 0  # the peak since the last gradient was accumulated (see cut)
+        self.region_peak = 0  # the peak since a checkpointed module's forward began
         self.segment_peaks: list[int] = []
 
     def cut(self) -> None:
@@ -93,6 +94,7 @@ class LiveBytes(FakeTensorMode):
             self.live += nbytes
             self.peak = max(self.peak, self.live)
             self.segment_peak = max(self.segment_peak, self.live)
+            self.region_peak = max(self.region_peak, self.live)
         self.tensors[key] = self.tensors.get(key, 0) + 1
         weakref.finalize(t, self._release, key, nbytes)  # a fake tensor's object lives as long as its TensorImpl
 
@@ -111,10 +113,15 @@ class _Region:
         self.storages: dict[int, int] = {}  # key -> nbytes
         self.handles: dict[int, int] = {}  # key -> what autograd still holds on it
         self.recomputed: dict[int, torch.Tensor] | None = None
+        self.forward_rise = 0  # the most the module's forward held at once above what it was given
 
     def storage(self, key: int) -> torch.Tensor:
         if self.recomputed is None:
+            # the recomputing forward holds, at its peak, as much as the first one did
             self.recomputed = {k: torch.empty(n, dtype=torch.uint8) for k, n in self.storages.items()}
+            passing = self.forward_rise - sum(self.storages.values())
+            if passing > 0:
+                torch.empty(passing, dtype=torch.uint8)  # made and freed: the recomputation's other tensors
         return self.recomputed[key]
 
     def release(self, key: int) -> None:
@@ -144,8 +151,10 @@ class _Recomputed:
 class SavedBytes:
     """Live bytes of the storages autograd holds, counted once each however many ops save them, and their peak."""
 
-    def __init__(self, excluded: set[int]) -> None:
+    def __init__(self, excluded: set[int], mode: LiveBytes | None = None) -> None:
         self.excluded = excluded  # parameters and buffers: model state, not activations
+        self.mode = mode  # whose live bytes a checkpointed module's forward raises
+        self.region_start = 0
         self.counts: dict[int, int] = {}
         self.live = self.peak = 0
         self.depth = 0  # > 0 inside a checkpointed module
@@ -188,12 +197,16 @@ class SavedBytes:
         if self.depth == 0:
             self.kept += [self.hold(a) for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
             self.region = _Region()
+            if self.mode is not None:
+                self.region_start = self.mode.region_peak = self.mode.live
         self.depth += 1
 
     def leave_checkpointed(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         self.depth -= 1
         if self.depth == 0:
             self.largest_region = max(self.largest_region, sum(self.region.storages.values()))
+            if self.mode is not None:
+                self.region.forward_rise = self.mode.region_peak - self.region_start
 
 
 def to_fake(model: nn.Module, mode: FakeTensorMode, param_dtype: torch.dtype | None) -> set[int]:
@@ -362,7 +375,7 @@ def _drop_gradients(model: nn.Module, mode: LiveBytes, order: list[str]) -> list
 
 def _step_bytes(model: nn.Module, mode: LiveBytes, excluded: set[int], batch: Any, targets: Any,
                 precision: str, param_dtype: torch.dtype | None, checkpointed: Any) -> StepActivations:
-    saved = SavedBytes(excluded)
+    saved = SavedBytes(excluded, mode)
     mode.live = mode.peak = mode.segment_peak = 0
     mode.tensors.clear()
     mode.segment_peaks.clear()
