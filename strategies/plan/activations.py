@@ -111,6 +111,7 @@ class _Region:
 
     def __init__(self) -> None:
         self.storages: dict[int, int] = {}  # key -> nbytes
+        self.originals: list[Any] = []  # the saved storages' objects: no other storage takes their key meanwhile
         self.handles: dict[int, int] = {}  # key -> what autograd still holds on it
         self.recomputed: dict[int, torch.Tensor] | None = None
         self.forward_rise = 0  # the most the module's forward held at once above what it was given
@@ -184,7 +185,9 @@ class SavedBytes:
         key, nbytes = _storage(t)
         if key in self.excluded or self.counts.get(key):
             return t  # model state, or a tensor kept anyway (the module's input)
-        self.region.storages[key] = nbytes  # recomputed in backward, not kept
+        if key not in self.region.storages:
+            self.region.storages[key] = nbytes  # recomputed in backward, not kept
+            self.region.originals.append(t.untyped_storage())
         return _Recomputed(self.region, t)
 
     @staticmethod
