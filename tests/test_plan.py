@@ -23,7 +23,8 @@ from trainer import Trainer, TrainModule
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 GB = 1e9
-KINDS = ("parameters", "gradients", "optimizer", "units_in_flight", "activations", "total")
+KINDS = ("parameters", "gradients", "optimizer", "units_in_flight", "activations", "temporaries", "optimizer_step",
+         "total")
 
 
 # ---------------------------------------------------------------------------------------------- model state
@@ -217,9 +218,10 @@ def test_command_line_json(capsys):
     for name, row in plan.items():
         assert list(row) == list(KINDS), name
         assert all(isinstance(v, int) and v >= 0 for v in row.values()), row
-        transient = row["units_in_flight"] + row["activations"]
+        transient = row["units_in_flight"] + row["activations"] + row["temporaries"]
         gradients = row["gradients"] + transient if name in ("ddp", "zero1") else max(row["gradients"], transient)
-        assert row["total"] == row["parameters"] + row["optimizer"] + gradients, name
+        step = row["parameters"] + row["gradients"] + row["optimizer"] + row["optimizer_step"]
+        assert row["total"] == max(row["parameters"] + row["optimizer"] + gradients, step), name
     assert abs(plan["ddp"]["optimizer"] - 2 * plan["ddp"]["parameters"]) <= 2 * 4 * 2  # padding: < 2 elements
     assert plan["fsdp"]["parameters"] < plan["ddp"]["parameters"] and plan["fsdp"]["units_in_flight"] > 0
 
@@ -332,7 +334,7 @@ def test_auto_on_one_rank_is_single_when_the_plan_fits_and_an_error_when_not(cap
 
 def test_plan_after_fit_leaves_the_module_alone(monkeypatch):
     """Planning a module that fsdp has set up (sharded parameters, the engine's hooks) reads only shapes and
-    changes nothing. The Trainer's FSDPStrategy options are the plan's: units per Block beat one root unit."""
+    changes nothing. The Trainer's FSDPStrategy options are the plan's: units per Block, not one root unit."""
     from strategies import FSDPStrategy
     from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 
@@ -344,7 +346,8 @@ def test_plan_after_fit_leaves_the_module_alone(monkeypatch):
     before, hooks = trainer.strategy.full_state_dict(), len(module.lm.blocks[0]._forward_pre_hooks)
     plan = trainer.plan(module, train_dataloaders=loader)
     root_only = Trainer(strategy="fsdp", devices=1, **QUIET).plan(module, train_dataloaders=loader)
-    assert plan.strategies["fsdp"].units_in_flight < root_only.strategies["fsdp"].units_in_flight
+    assert "by the wrap policy" in plan.description[1] and "one unit" in root_only.description[1]
+    assert plan.strategies["fsdp"].units_in_flight <= root_only.strategies["fsdp"].units_in_flight
     after = trainer.strategy.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before) and before.keys() == after.keys()
     assert hooks > 0 and len(module.lm.blocks[0]._forward_pre_hooks) == hooks

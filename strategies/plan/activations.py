@@ -96,9 +96,12 @@ class LiveBytes(FakeTensorMode):
             self.segment_peak = max(self.segment_peak, self.live)
             self.region_peak = max(self.region_peak, self.live)
         self.tensors[key] = self.tensors.get(key, 0) + 1
-        weakref.finalize(t, self._release, key, nbytes)  # a fake tensor's object lives as long as its TensorImpl
+        # a fake tensor's Python object lives as long as its TensorImpl, wherever that is held (autograd's graph)
+        weakref.finalize(t, self._release, self.tensors, key, nbytes)
 
-    def _release(self, key: int, nbytes: int) -> None:
+    def _release(self, pass_tensors: dict[int, int], key: int, nbytes: int) -> None:
+        if pass_tensors is not self.tensors:
+            return  # a tensor of an earlier pass (a batch form that failed), forgotten when the next one began
         self.tensors[key] -= 1
         if not self.tensors[key]:
             del self.tensors[key]
@@ -380,7 +383,7 @@ def _step_bytes(model: nn.Module, mode: LiveBytes, excluded: set[int], batch: An
                 precision: str, param_dtype: torch.dtype | None, checkpointed: Any) -> StepActivations:
     saved = SavedBytes(excluded, mode)
     mode.live = mode.peak = mode.segment_peak = 0
-    mode.tensors.clear()
+    mode.tensors = {}
     mode.segment_peaks.clear()
     order: list[str] = []
     with ExitStack() as stack:

@@ -41,6 +41,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return clone
 
 
+def _planning_copy(model: nn.Module, precision: str) -> nn.Module:
+    """A meta copy in the dtype the precision trains it in (one for the layout, one the fake pass swaps)."""
+    meta = meta_copy(model)
+    if precision in TRUE_DTYPES:
+        meta.to(TRUE_DTYPES[precision])
+    return meta
+
+
 def _check(world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str) -> None:
     for name, value in (("world_size", world_size), ("nodes", nodes), ("batch_size", batch_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -108,11 +116,9 @@ def plan_memory(
     group = hybrid_shard if hybrid_shard is not None else (world_size // nodes if nodes > 1 else None)
     if group is not None and (not isinstance(group, int) or group < 1 or world_size % group):
         raise ValueError(f"hybrid_shard={group!r} must divide world_size={world_size}")
-    meta = meta_copy(model)
+    meta = _planning_copy(model, precision)
     if not any(True for _ in meta.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters to plan")
-    if precision in TRUE_DTYPES:
-        meta.to(TRUE_DTYPES[precision])
     optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
     check_optimizer(optimizer)
     seq_len = seq_len if seq_len is not None else default_seq_len(meta)
@@ -121,7 +127,7 @@ def plan_memory(
     hybrid = {name for name, s in strategies.items() if getattr(s, "hybrid_shard", None) is not None}
     shard_over = {name: group if name in hybrid else world_size for name in strategies
                   if group is not None or name not in hybrid}
-    step = step_activations(copy.deepcopy(meta), batch_size, seq_len, precision, param_dtype,
+    step = step_activations(_planning_copy(model, precision), batch_size, seq_len, precision, param_dtype,
                             resolve_wrap_policy(activation_checkpointing), sample)
     rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
