@@ -12,7 +12,9 @@ peak-RSS counter (/proc/self/clear_refs), trains a few AdamW steps, and reports 
 engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. Beside them: the memory plan's
 total per rank (strategies/plan, computed here on the meta device) against the peak above the process's baseline:
 its resident memory once torch, gloo and the Trainer are up and torch._dynamo is imported (torch.optim imports it
-with the first optimizer: ~150 MiB of code in every training process), before the model is built. Then, checkpoints:
+with the first optimizer: ~150 MiB of code in every training process), before the model is built; the ratio is
+taken less the file pages read in meanwhile (RssFile: torch's kernels' code that the first step touches, ~20 MiB,
+not data the plan counts). With --training-only that is all; otherwise, checkpoints:
 - a full checkpoint (`save_checkpoint(path, full=True)`, one file written by rank 0 a batch at a time): how far
   each rank's resident memory rises, next to the file's size;
 - a checkpoint directory (DCP), saved synchronously and then asynchronously: how long training is stalled by the
@@ -77,6 +79,7 @@ class PeakMemory(Callback):
 
     def on_train_end(self, trainer, module) -> None:
         self.peak_rss = _rss_kib("VmHWM:") * 1024
+        self.file_rss = _rss_kib("RssFile:") * 1024
         self.report = trainer.strategy.memory_report()
 
 
@@ -129,9 +132,11 @@ def run_one(strategy: str, case: Case, training_only: bool) -> None:
     trainer = _trainer(strategy, case, [peak])
     importlib.import_module("torch._dynamo")  # what the first optimizer imports (torch.optim's add_param_group)
     baseline = _rss_kib("VmRSS:") * 1024  # torch, gloo, the Trainer and what a step imports; no model yet
+    baseline_files = _rss_kib("RssFile:") * 1024
     trainer.fit(GPTModule(case.config, max_steps=case.steps), DataLoader(data, batch_size=case.batch_size))
     row = {"strategy": strategy, "rank": trainer.global_rank, "peak_rss": peak.peak_rss, "start_rss": peak.start_rss,
-           "baseline_rss": baseline, "report": peak.report, "params": GPT.count_parameters(case.config)}
+           "baseline_rss": baseline, "report": peak.report, "params": GPT.count_parameters(case.config),
+           "files_read_in": max(0, peak.file_rss - baseline_files)}
     if not training_only:
         row.update(_full_save_rise(trainer))
         with tempfile.TemporaryDirectory() as tmp:
@@ -236,7 +241,8 @@ def main() -> None:
     plan = memory_plan(case)
     print(plan.table() + "\n")
     print(f"{'strategy':8} {'rank':>4} {'model-state theory':>18} {'engine report':>14} {'peak RSS in training':>21}"
-          f" {'RSS at start':>13} {'baseline':>9} {'plan total':>10} {'peak - baseline':>15} {'plan/measured':>13}"
+          f" {'RSS at start':>13} {'baseline':>9} {'plan total':>10} {'peak - baseline':>15} {'code read in':>12}"
+          f" {'plan/measured':>13}"
           f" {'full save: RSS rise':>19} {'file':>6}   (MiB; params, grads, optimizer state by the engine)")
     checkpoint_rows = []
     for strategy in args.strategies.split(","):
@@ -255,12 +261,13 @@ def main() -> None:
             model_state = r["parameters"] + r["gradients"] + r["optimizer_state"]
             theory = theory_bytes(strategy, row["params"], args.devices)
             planned, measured = plan.strategies[strategy].total, row["peak_rss"] - row["baseline_rss"]
+            files = row["files_read_in"]
             saved = (f" {row['save_rise'] / MiB:>19.0f} {row['save_file'] / MiB:>6.0f}" if not args.training_only
                      else f" {'-':>19} {'-':>6}")
             print(f"{strategy:8} {row['rank']:>4} {theory / MiB:>18.0f} {model_state / MiB:>14.0f}"
                   f" {row['peak_rss'] / MiB:>21.0f} {row['start_rss'] / MiB:>13.0f}"
                   f" {row['baseline_rss'] / MiB:>9.0f} {planned / MiB:>10.0f} {measured / MiB:>15.0f}"
-                  f" {planned / measured:>13.3f}{saved}"
+                  f" {files / MiB:>12.0f} {planned / (measured - files):>13.3f}{saved}"
                   f"   ({r['parameters'] / MiB:.0f}, {r['gradients'] / MiB:.0f}, {r['optimizer_state'] / MiB:.0f})")
             checkpoint_rows.append(row)
     if args.training_only:
