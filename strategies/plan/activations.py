@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..sharding.hooks import cast_floating
 from ..sharding.units import NORM_LAYERS
+from .checkpointing import checkpoint_modules
 
 AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None, "16-true": None}
 TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the whole model in this dtype
@@ -342,8 +343,14 @@ def step_activations(
     param_dtype: torch.dtype | None = None,
     checkpointed: Callable[[nn.Module, str], bool] | None = None,
     sample: Any = None,
+    selective: bool = False,
 ) -> StepActivations:
-    """activation_bytes' pass, with the peak of everything alive in it as well."""
+    """activation_bytes' pass, with the peak of everything alive in it as well. `selective`: the checkpointed
+    modules run under torch.utils.checkpoint with torchtitan's per-op policy (checkpointing.py), whose saved
+    outputs count as alive."""
+    if selective and checkpointed is not None:
+        checkpoint_modules(model, checkpointed, "selective")
+        checkpointed = None
     mode = LiveBytes()
     excluded = to_fake(model, mode, param_dtype)
     mode.excluded = excluded

@@ -124,8 +124,8 @@ def plan_memory(
 
     Each strategy also gets a step-time forecast on `hardware` (a HARDWARE name, a Hardware, or a file --measure
     wrote; default: this machine's GPU kind, else "cpu"): `plan.forecasts[name]`. `checkpoint_mode` "selective"
-    times activation checkpointing as torchtitan's per-op policy (memory is then planned without checkpointing,
-    an upper bound). `schedule` "fully_shard" times torch's FSDP2 schedule instead of this engine's (for
+    runs activation checkpointing with torchtitan's per-op policy (torch.utils.checkpoint's selective contexts),
+    for memory and time. `schedule` "fully_shard" times torch's FSDP2 schedule instead of this engine's (for
     comparing the forecast with published fully_shard runs): reductions on a stream of their own, normalization
     layers inside their block's unit. `forecast=False` plans memory only."""
     _check(world_size, nodes, batch_size, seq_len, precision)
@@ -149,9 +149,8 @@ def plan_memory(
     shard_over = {name: group if name in hybrid else world_size for name in strategies
                   if group is not None or name not in hybrid}
     checkpointed = resolve_wrap_policy(activation_checkpointing)
-    memory_checkpointed = checkpointed if checkpoint_mode == "full" else None  # selective: an upper bound
     step = step_activations(_planning_copy(model, precision), batch_size, seq_len, precision, param_dtype,
-                            memory_checkpointed, sample)
+                            checkpointed, sample, selective=checkpoint_mode == "selective")
     rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
                                     param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
                                     foreach=foreach, step=step)
@@ -169,7 +168,7 @@ def plan_memory(
         "fsdp units: " + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
         + (f"; hsdp shards within groups of {group} ranks" if group is not None else "")
         + ("; activation checkpointing by its policy" if activation_checkpointing is not None else "")
-        + (" (selective: timed per op, memory planned without it)" if checkpoint_mode == "selective" else ""),
+        + (" (selective: torchtitan's per-op policy)" if checkpoint_mode == "selective" else ""),
     ]
     if forecast:
         description.append(f"step time on {hardware.name}, {world_size // nodes} rank(s) per node (what the profile "
