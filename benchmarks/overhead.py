@@ -67,7 +67,10 @@ def collectives_of(variant: str):
     try:
         yield
     finally:
-        os.environ.pop(ONE_RANK_COLLECTIVES) if previous is None else os.environ.update({ONE_RANK_COLLECTIVES: previous})
+        if previous is None:
+            os.environ.pop(ONE_RANK_COLLECTIVES)
+        else:
+            os.environ[ONE_RANK_COLLECTIVES] = previous
 
 
 def build(variant: str, rank: int) -> Step:
@@ -109,23 +112,26 @@ def make_step(model: Any, optimizer: torch.optim.Optimizer, rank: int, strategy:
     return step
 
 
-def timed(step: Step, count: int, barrier: bool) -> list[float]:
+def timed(step: Step, count: int, barrier: bool) -> list[tuple[float, float]]:
+    """(wall, process CPU) seconds of each step."""
     times = []
     for _ in range(count):
         if barrier:
             dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         step()
         if barrier:
             dist.barrier()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
     return times
 
 
-def run_interleaved(variants: list[str], rounds: int, steps: int, warmup: int, rank: int,
-                    barrier: bool) -> dict[str, list[list[float]]]:
+Times = dict[str, list[list[tuple[float, float]]]]  # by variant, by round: (wall, CPU) of each step
+
+
+def run_interleaved(variants: list[str], rounds: int, steps: int, warmup: int, rank: int, barrier: bool) -> Times:
     built: dict[str, Step] = {}
-    times: dict[str, list[list[float]]] = {name: [] for name in variants}
+    times: Times = {name: [] for name in variants}
     for r in range(rounds):
         for name in variants[r % len(variants):] + variants[: r % len(variants)]:
             with collectives_of(name):
@@ -136,10 +142,11 @@ def run_interleaved(variants: list[str], rounds: int, steps: int, warmup: int, r
     return times
 
 
-def summary(rounds: list[list[float]]) -> tuple[float, float]:
-    """(median over every timed step, spread: range of the per-round medians / the median)."""
-    median = statistics.median(t for r in rounds for t in r)
-    per_round = [statistics.median(r) for r in rounds]
+def summary(rounds: list[list[tuple[float, float]]], which: int) -> tuple[float, float]:
+    """Of wall (which=0) or CPU (1) time: the median over every timed step, and the spread (the range of the
+    per-round medians over that median)."""
+    median = statistics.median(t[which] for r in rounds for t in r)
+    per_round = [statistics.median(t[which] for t in r) for r in rounds]
     return median, (max(per_round) - min(per_round)) / median
 
 
@@ -153,23 +160,26 @@ def init(rank: int, world: int, port: int) -> None:
 
 def part_one(args: argparse.Namespace) -> None:
     init(0, 1, free_port())
-    variants = args.variants or ONE_RANK
-    times = run_interleaved(variants, args.rounds, args.steps, args.warmup, 0, barrier=False)
+    times = run_interleaved(args.variants or ONE_RANK, args.rounds, args.steps, args.warmup, 0, barrier=False)
     dist.destroy_process_group()
-    medians = {name: summary(rounds) for name, rounds in times.items()}
-    plain = medians["torch"][0] if "torch" in medians else None
-    print(f"\nworld size 1 ({args.rounds} rounds x {args.steps} steps per variant; extra = (median - torch's) / "
-          f"{UNITS} units)\n")
-    print("| variant | median step (ms) | spread | extra per unit (us) |")
-    print("|---|---:|---:|---:|")
-    extra = {}
-    for name, (median, spread) in medians.items():
-        extra[name] = (median - plain) / UNITS * 1e6 if plain is not None else float("nan")
-        print(f"| {name} | {median * 1e3:.2f} | {spread:.0%} | {extra[name]:+.0f} |")
-    ratios = [("fsdp@many", "zero2@many"), ("fsdp@many", "fully_shard")]
-    for a, b in ratios:
+    print(f"\nworld size 1 ({args.rounds} rounds x {args.steps} steps per variant; extra per unit = (median - "
+          f"torch's median) / {UNITS} units; host = the process's CPU time)\n")
+    print("| variant | median step (ms) | spread | extra per unit (us) | host per step (ms) | spread | "
+          "extra host per unit (us) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    extra: dict[str, list[float]] = {}
+    for name, rounds in times.items():
+        cells = []
+        for which in (0, 1):
+            median, spread = summary(rounds, which)
+            plain = summary(times["torch"], which)[0] if "torch" in times else float("nan")
+            extra.setdefault(name, []).append((median - plain) / UNITS * 1e6)
+            cells += [f"{median * 1e3:.2f}", f"{spread:.0%}", f"{extra[name][which]:+.0f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    for a, b in (("fsdp@many", "zero2@many"), ("fsdp@many", "fully_shard")):
         if a in extra and b in extra:
-            print(f"\nextra per unit, {a} / {b}: {extra[a] / extra[b]:.2f}")
+            print(f"\n{a} / {b}, extra per unit: wall {extra[a][0] / extra[b][0]:.2f}, "
+                  f"host {extra[a][1] / extra[b][1]:.2f}")
 
 
 def _rank_two(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -194,15 +204,20 @@ def part_two(args: argparse.Namespace) -> None:
     times = queue.get()
     for p in processes:
         p.join()
-    medians = {name: summary(rounds) for name, rounds in times.items()}
-    print(f"\n2 gloo ranks ({args.rounds} rounds x {args.steps} steps per variant; rank 0, between barriers)\n")
-    print("| variant | median step (ms) | spread | vs torch |")
-    print("|---|---:|---:|---:|")
+    print(f"\n2 gloo ranks ({args.rounds} rounds x {args.steps} steps per variant; rank 0, between barriers; "
+          "CPU: rank 0's process, gloo's threads included)\n")
+    print("| variant | median step (ms) | spread | vs torch | CPU per step (ms) | vs torch |")
+    print("|---|---:|---:|---:|---:|---:|")
     counterpart = {"ddp": "torch-ddp", "zero2": "torch-ddp", "fsdp": "fully_shard"}
-    for name, (median, spread) in medians.items():
+    for name, rounds in times.items():
+        (wall, spread), (cpu, _) = summary(rounds, 0), summary(rounds, 1)
         other = counterpart.get(name)
-        ratio = f"{median / medians[other][0]:.2f} x {other}" if other in medians else ""
-        print(f"| {name} | {median * 1e3:.2f} | {spread:.0%} | {ratio} |")
+        if other in times:
+            ratios = [f"{wall / summary(times[other], 0)[0]:.2f} x {other}",
+                      f"{cpu / summary(times[other], 1)[0]:.2f} x"]
+        else:
+            ratios = ["", ""]
+        print(f"| {name} | {wall * 1e3:.2f} | {spread:.0%} | {ratios[0]} | {cpu * 1e3:.2f} | {ratios[1]} |")
 
 
 def free_port() -> int:

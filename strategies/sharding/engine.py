@@ -178,11 +178,13 @@ class ShardingEngine:
         (all when None): the instance gets a zero_grad of its own that calls the class's first."""
         original = type(owner).zero_grad
         engine = weakref.ref(self)
+        selection = [(self.units.index(unit), indices) for unit, indices in self._select(params)]  # once
 
         def zero_grad(set_to_none: bool = True) -> None:
             original(owner, set_to_none)
             if (live := engine()) is not None:
-                live.zero_grad(params, set_to_none)
+                for unit_index, indices in selection:
+                    live.units[unit_index].grads.zero(indices, set_to_none)
 
         owner.zero_grad = zero_grad
         self._hooks.append(_InstanceAttribute(owner, "zero_grad"))
@@ -321,11 +323,18 @@ class ShardingEngine:
 
     def zero_grad(self, params: list[torch.Tensor] | None = None, set_to_none: bool = True) -> None:
         """Clear the gradients of `params` (all when None) as torch's zero_grad does."""
+        for unit, indices in self._select(params):
+            unit.grads.zero(indices, set_to_none)
+
+    def _select(self, params: list[torch.Tensor] | None) -> list[tuple[ShardUnit, list[int]]]:
+        """(unit, indices of `params` in it) for every unit holding some of `params` (all when None)."""
         wanted = None if params is None else {id(p) for p in params}
+        selection = []
         for unit in self.units:
             indices = [i for i, p in enumerate(unit.params) if wanted is None or id(p) in wanted]
             if indices:
-                unit.grads.zero(indices, set_to_none)
+                selection.append((unit, indices))
+        return selection
 
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The module's parameters `optimizer` steps (its own holds this rank's pieces of them)."""

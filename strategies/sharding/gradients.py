@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .collectives import Work, all_reduce_sum, reduce_scatter_parts, wait
+from .placeholder import metadata_access
 from .sharded_gradient import GradientNorms, ShardedGradient, sharded_gradient
 
 if TYPE_CHECKING:
@@ -178,6 +179,22 @@ class ShardedGradients:
         self._generation = 0  # counts the shards this store has made: with the version, whether it changed
         self.size = unit.layout.trainable_shard_size  # the gradient shard covers the trainable segment only
         self.pieces = [p for p in unit.pieces if unit.trainable[p.param_index]]
+        self._plan = [self._rank_plan(pieces) for pieces in unit.pieces_by_rank]
+        self._padding: dict[int, torch.Tensor] = {}  # zeros sent for padding, by length: made once, only read
+
+    def _rank_plan(self, pieces: list) -> list[tuple[int, int, int] | int]:
+        """What makes up one rank's slice, worked out once from the layout: (parameter index, start, end) for a
+        piece of a gradient, a length for zeros (padding at the end of a chunk)."""
+        plan: list[tuple[int, int, int] | int] = []
+        filled = 0
+        for piece in (p for p in pieces if self.unit.trainable[p.param_index]):
+            if piece.shard_offset > filled:
+                plan.append(piece.shard_offset - filled)
+            plan.append((piece.param_index, piece.start, piece.end))
+            filled = piece.shard_offset + piece.numel
+        if filled < self.size:
+            plan.append(self.size - filled)
+        return plan
 
     @property
     def nbytes(self) -> int:
@@ -190,30 +207,35 @@ class ShardedGradients:
         to it: pieces of the parameters' `.grad` (in the reduce dtype), zeros where a parameter has none."""
         unit = self.unit
         dtype, device = unit.reduce_dtype, unit.device
-        flags = fill_flags(torch.empty(len(unit.params), dtype=dtype, device=device),
-                           [p.grad is not None for p in unit.params])
+        grads = [p.grad for p in unit.params]
+        flags = fill_flags(torch.empty(len(unit.params), dtype=dtype, device=device), [g is not None for g in grads])
+        flat = [None if g is None else g.reshape(-1) if g.dtype == dtype else g.reshape(-1).to(dtype) for g in grads]
         parts = []
-        for pieces in unit.pieces_by_rank:
-            rank_parts, filled = [], 0
-            for piece in (p for p in pieces if unit.trainable[p.param_index]):
-                if piece.shard_offset > filled:  # padding at the end of a chunk
-                    rank_parts.append(torch.zeros(piece.shard_offset - filled, dtype=dtype, device=device))
-                grad = unit.params[piece.param_index].grad
-                if grad is None:
-                    rank_parts.append(torch.zeros(piece.numel, dtype=dtype, device=device))
+        for plan in self._plan:
+            rank_parts = []
+            for entry in plan:
+                if type(entry) is int:  # padding
+                    rank_parts.append(self._zeros(entry))
+                elif (grad := flat[entry[0]]) is None:
+                    rank_parts.append(torch.zeros(entry[2] - entry[1], dtype=dtype, device=device))
                 else:
-                    rank_parts.append(grad.reshape(-1)[piece.start : piece.end].to(dtype))
-                filled = piece.shard_offset + piece.numel
-            if filled < self.size:
-                rank_parts.append(torch.zeros(self.size - filled, dtype=dtype, device=device))
-            parts.append([*rank_parts, flags])
+                    rank_parts.append(grad[entry[1] : entry[2]])
+            rank_parts.append(flags)
+            parts.append(rank_parts)
         return parts
+
+    def _zeros(self, length: int) -> torch.Tensor:
+        zeros = self._padding.get(length)
+        if zeros is None:
+            zeros = self._padding[length] = torch.zeros(length, dtype=self.unit.reduce_dtype, device=self.unit.device)
+        return zeros
 
     def launch(self) -> None:
         unit = self.unit
-        for p in unit.params:  # placeholders of an earlier micro-batch are not gradients to send
-            if type(p.grad) is ShardedGradient:
-                p.grad = None
+        with metadata_access():
+            for p in unit.params:  # placeholders of an earlier micro-batch are not gradients to send
+                if type(p.grad) is ShardedGradient:
+                    p.grad = None
         self._output = torch.empty(self.size + len(unit.params), dtype=unit.reduce_dtype,
                                    device=unit.device)
         self._work = reduce_scatter_parts(self._output, self._parts(), unit.groups.shard, unit.stats, async_op=True,
@@ -232,8 +254,9 @@ class ShardedGradients:
     def _wait_reduce_scatter(self) -> None:
         with self.unit.naming_failures("gradient reduction"):
             wait(self._work)
-        for p in self.unit.params:
-            p.grad = None
+        with metadata_access():  # (the parameters are usually sharded again: placeholders)
+            for p in self.unit.params:
+                p.grad = None
         self._work = None
 
     def _start_across_groups(self) -> None:
@@ -310,6 +333,18 @@ class ShardedGradients:
 
     def zero(self, indices: list[int], set_to_none: bool = True) -> None:
         self._settle()
+        if set_to_none and len(indices) == len(self.unit.params):  # the usual case: every gradient goes
+            self.used.zero_()
+            if self.shard is not None:
+                self.shard = None
+                self._generation += 1
+            with metadata_access():
+                for piece in self.pieces:
+                    self.unit.shard_params[piece.param_index].grad = None
+                for p, trainable in zip(self.unit.params, self.unit.trainable):
+                    if trainable:
+                        p.grad = None
+            return
         if set_to_none:
             self.used[indices] = False
         if self.shard is not None:
@@ -331,11 +366,14 @@ class ShardedGradients:
     def _show(self, used: list[bool]) -> None:
         """`.grad` of each trainable parameter: a placeholder (sharded_gradient.py) where some rank had a gradient
         since zero_grad, else None."""
-        for index, p in enumerate(self.unit.params):
-            if self.unit.trainable[index]:
-                if used[index] and index not in self._placeholders:
-                    self._placeholders[index] = sharded_gradient(p, self.unit.param_names[index], self, index)
-                p.grad = self._placeholders[index] if used[index] else None
+        unit = self.unit
+        for index, p in enumerate(unit.params):
+            if used[index] and unit.trainable[index] and index not in self._placeholders:
+                self._placeholders[index] = sharded_gradient(p, unit.param_names[index], self, index)
+        with metadata_access():
+            for index, p in enumerate(unit.params):
+                if unit.trainable[index]:
+                    p.grad = self._placeholders[index] if used[index] else None
 
     def part(self, index: int) -> torch.Tensor:
         """This rank's slice of parameter `index`'s averaged gradient (empty when it holds none of it)."""
