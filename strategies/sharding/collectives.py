@@ -94,6 +94,7 @@ class Pending:
         for work in self.works:
             if work is not None:
                 work.wait()
+        self.works = []  # (several units' reductions may share one: each waits for it)
         if self.then is not None:
             self.then()
             self.then = None

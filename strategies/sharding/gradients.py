@@ -231,15 +231,20 @@ class ShardedGradients:
         return zeros
 
     def launch(self) -> None:
-        unit = self.unit
+        launch_together([self])
+
+    @property
+    def output_size(self) -> int:
+        """Elements of this rank's slice of the reduction: the gradient shard, then one used flag per parameter."""
+        return self.size + len(self.unit.params)
+
+    def _prepare(self) -> list[list[torch.Tensor]]:
+        """The parts of every rank's slice (`_parts`), once placeholders of an earlier micro-batch are dropped."""
         with metadata_access():
-            for p in unit.params:  # placeholders of an earlier micro-batch are not gradients to send
+            for p in self.unit.params:  # placeholders of an earlier micro-batch are not gradients to send
                 if type(p.grad) is ShardedGradient:
                     p.grad = None
-        self._output = torch.empty(self.size + len(unit.params), dtype=unit.reduce_dtype,
-                                   device=unit.device)
-        self._work = reduce_scatter_parts(self._output, self._parts(), unit.groups.shard, unit.stats, async_op=True,
-                                          unit=unit.name)
+        return self._parts()
 
     def advance(self) -> None:
         """Free what backward no longer needs: the `.grad` tensors, once the reduce-scatter has sent them. Under
@@ -393,6 +398,21 @@ class ShardedGradients:
         return self._generation, self.shard._version if self.shard is not None else -1
 
     def refresh(self) -> None: ...
+
+
+def launch_together(stores: list[ShardedGradients]) -> None:
+    """Start the reduce-scatter of several units' gradients as one collective (units of one reduce dtype, device
+    and group): rank r's slice is every unit's slice for r, end to end, so each unit's output is a piece of the
+    one output and every element is summed as it would be alone. Small units so pay one collective's latency."""
+    unit = stores[0].unit
+    sizes = [store.output_size for store in stores]
+    prepared = [store._prepare() for store in stores]
+    parts = [[t for rank_parts in prepared for t in rank_parts[r]] for r in range(unit.world_size)]
+    output = torch.empty(sum(sizes), dtype=unit.reduce_dtype, device=unit.device)
+    name = unit.name if len(stores) == 1 else "+".join(store.unit.name or "<root>" for store in stores)
+    work = reduce_scatter_parts(output, parts, unit.groups.shard, unit.stats, async_op=True, unit=name)
+    for store, piece in zip(stores, torch.split(output, sizes)):
+        store._output, store._work = piece, work
 
 
 def read_used_flags(stores: list) -> None:
