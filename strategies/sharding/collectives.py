@@ -196,7 +196,7 @@ def reduce_scatter_parts(
     make rank r's slice (as long as `shard`). On gloo each part is sent as it is, so a unit's gradients need not
     be copied into one flat buffer first; elsewhere they are concatenated for the backend's reduce-scatter."""
     if _alone(group):
-        torch.cat([t.reshape(-1) for t in parts[0]], out=shard)
+        torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in parts[0]], out=shard)
         return None
     n = shard.numel()
     on_gloo = _on_gloo(group)
@@ -255,7 +255,7 @@ def _packs(sizes: list[int], element_size: int) -> list[tuple[int, int]]:
 
 def _packed(parts: list[torch.Tensor], packs: list[tuple[int, int]]) -> list[torch.Tensor]:
     """One flat tensor per pack: the part itself when alone, else the parts concatenated."""
-    flat = [t.reshape(-1) for t in parts]
+    flat = [t if t.dim() == 1 else t.reshape(-1) for t in parts]
     return [flat[a] if b - a == 1 else torch.cat(flat[a:b]) for a, b in packs]
 
 

@@ -181,6 +181,10 @@ class ShardedGradients:
         self.pieces = [p for p in unit.pieces if unit.trainable[p.param_index]]
         self._plan = [self._rank_plan(pieces) for pieces in unit.pieces_by_rank]
         self._padding: dict[int, torch.Tensor] = {}  # zeros sent for padding, by length: made once, only read
+        # The used flags sent with the gradients: rewritten only when they change (sent by reference, so only once
+        # this unit's previous reduction is done, which every backward waits for).
+        self._flags = torch.ones(len(unit.params), dtype=unit.reduce_dtype, device=unit.device)
+        self._flags_values = [True] * len(unit.params)
 
     def _rank_plan(self, pieces: list) -> list[tuple[int, int, int] | int]:
         """What makes up one rank's slice, worked out once from the layout: (parameter index, start, end) for a
@@ -190,7 +194,8 @@ class ShardedGradients:
         for piece in (p for p in pieces if self.unit.trainable[p.param_index]):
             if piece.shard_offset > filled:
                 plan.append(piece.shard_offset - filled)
-            plan.append((piece.param_index, piece.start, piece.end))
+            whole = piece.start == 0 and piece.end == self.unit.layout.numels[piece.param_index]
+            plan.append((piece.param_index, piece.start, piece.end) if not whole else (piece.param_index, 0, -1))
             filled = piece.shard_offset + piece.numel
         if filled < self.size:
             plan.append(self.size - filled)
@@ -208,8 +213,12 @@ class ShardedGradients:
         unit = self.unit
         dtype, device = unit.reduce_dtype, unit.device
         grads = [p.grad for p in unit.params]
-        flags = fill_flags(torch.empty(len(unit.params), dtype=dtype, device=device), [g is not None for g in grads])
-        flat = [None if g is None else g.reshape(-1) if g.dtype == dtype else g.reshape(-1).to(dtype) for g in grads]
+        values = [g is not None for g in grads]
+        if values != self._flags_values:
+            fill_flags(self._flags, values)
+            self._flags_values = values
+        flags = self._flags
+        flat = [None if g is None else _flat(g) if g.dtype == dtype else _flat(g).to(dtype) for g in grads]
         parts = []
         for plan in self._plan:
             rank_parts = []
@@ -217,9 +226,10 @@ class ShardedGradients:
                 if type(entry) is int:  # padding
                     rank_parts.append(self._zeros(entry))
                 elif (grad := flat[entry[0]]) is None:
-                    rank_parts.append(torch.zeros(entry[2] - entry[1], dtype=dtype, device=device))
+                    rank_parts.append(torch.zeros(unit.layout.numels[entry[0]] if entry[2] < 0 else entry[2] - entry[1],
+                                                  dtype=dtype, device=device))
                 else:
-                    rank_parts.append(grad[entry[1] : entry[2]])
+                    rank_parts.append(grad if entry[2] < 0 else grad[entry[1] : entry[2]])
             rank_parts.append(flags)
             parts.append(rank_parts)
         return parts
@@ -424,6 +434,11 @@ def read_used_flags(stores: list) -> None:
     on_host = torch.cat([flags.reshape(-1) for _, flags in pending]).cpu()
     for (store, _), host in zip(pending, torch.split(on_host, [f.numel() for _, f in pending])):
         store.take_flags(host)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` flattened (without a call when it is 1-D already: this runs for every parameter at every step)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def fill_flags(flags: torch.Tensor, values: list[bool]) -> torch.Tensor:
