@@ -132,6 +132,37 @@ def test_communication_per_step_matches_theory(rank_pool, accumulate):
         assert fsdp_units["blocks.0"][0] == 82 and fsdp_units[""][0] == 86  # 85 root elements padded to 2 ranks
 
 
+def body_small_units_reduce_together() -> list[tuple[int, int, dict[str, torch.Tensor]]]:
+    """fsdp, one step: (reduce-scatters made, units, weights after it), with small units' reductions started together
+    (the default) and with every unit alone."""
+    from strategies.sharding import engine as engine_module
+
+    out = []
+    for together in (engine_module.REDUCE_TOGETHER_BYTES, 1):
+        previous, engine_module.REDUCE_TOGETHER_BYTES = engine_module.REDUCE_TOGETHER_BYTES, together
+        try:
+            model = new_model()
+            engine = engine_for(model, "fsdp")
+            opt = engine.setup_optimizer(make_optimizer(model, "adamw"))
+            engine.stats.reset()
+            engine_step(model, engine, opt, 1)
+            with engine.unsharded():
+                weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            out.append((engine.stats.calls["reduce_scatter"], len(engine.units), weights))
+        finally:
+            engine_module.REDUCE_TOGETHER_BYTES = previous
+    return out
+
+
+def test_small_units_reduce_scatter_as_one_collective_with_the_same_numbers(rank_pool):
+    """A collective costs a latency whatever its size: the three small units' gradients (a few hundred bytes) are
+    reduce-scattered by one collective, and every weight comes out bit for bit as with one collective per unit."""
+    for (together, units, grouped), (alone, _, separate) in rank_pool(2).run(body_small_units_reduce_together):
+        assert (units, together, alone) == (3, 1, 3)
+        assert grouped.keys() == separate.keys()
+        assert all(torch.equal(grouped[k], separate[k]) for k in grouped)
+
+
 def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:
     model = new_model()
     engine = engine_for(model, "fsdp", reshard_after_forward=False)

@@ -87,6 +87,9 @@ def build_variant(name: str, config: GPTConfig, settings: Settings) -> tuple[Any
         strategy = get_strategy(base)
     model = strategy.setup_module(model)
     optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused))
+    # The engine's gradient hooks hold it weakly: a strategy dropped here takes its engine with it at the next
+    # garbage collection, and the variant would go on timing a plain model (ddp) or fail (zero2: see overhead.py).
+    optimizer.keep_alive = strategy
     return model, optimizer
 
 

@@ -53,6 +53,10 @@ class CommStats:
 # collectives above a few tens of MiB, so both go in chunks.
 GLOO_CHUNK_BYTES = 16 * 2**20
 GLOO_P2P_CHUNK_BYTES = 4 * 2**20
+# A message costs tens of microseconds whatever its size, so a reduce-scatter's small parts (a unit's gradients,
+# padding, the used flags) travel packed into messages of up to a chunk; a part of at least this size goes as it is
+# (no copy). The same elements are summed in the same order either way.
+GLOO_PACK_BELOW_BYTES = 2**20
 
 
 # torch 2.14 renamed the single-tensor collectives (the old names warn there); torch 2.11 has only the old ones.
@@ -90,6 +94,7 @@ class Pending:
         for work in self.works:
             if work is not None:
                 work.wait()
+        self.works = []  # (several units' reductions may share one: each waits for it)
         if self.then is not None:
             self.then()
             self.then = None
@@ -191,7 +196,7 @@ def reduce_scatter_parts(
     make rank r's slice (as long as `shard`). On gloo each part is sent as it is, so a unit's gradients need not
     be copied into one flat buffer first; elsewhere they are concatenated for the backend's reduce-scatter."""
     if _alone(group):
-        torch.cat([t.reshape(-1) for t in parts[0]], out=shard)
+        torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in parts[0]], out=shard)
         return None
     n = shard.numel()
     on_gloo = _on_gloo(group)
@@ -212,20 +217,46 @@ def _gloo_reduce_scatter(shard: torch.Tensor, parts: list[list[torch.Tensor]], g
     """The first peer's slice is received straight into `shard`, the others' into a buffer; the own parts are
     added once everything has arrived (a fixed order on every rank: first peer, own, other peers by rank)."""
     rank, _, peers = _peers(group)
-    own = [t.reshape(-1) for t in parts[rank]]
-    sizes = [t.numel() for t in own]  # every rank splits rank r's slice alike, so messages pair up
+    # Every rank splits rank r's slice into the same parts, so it packs them alike and the messages pair up.
+    packs = [_packs([t.numel() for t in rank_parts], shard.element_size()) for rank_parts in parts]
+    own = _packed(parts[rank], packs[rank])
+    pack_sizes = [t.numel() for t in own]
     others = torch.empty((len(peers) - 1, shard.numel()), dtype=shard.dtype, device=shard.device)
     targets = [shard, *others]
-    sends = [(t.reshape(-1), p) for p in peers for t in parts[p]]
-    recvs = [(piece, p) for target, p in zip(targets, sorted(peers)) for piece in torch.split(target, sizes)]
+    sends = [(t, p) for p in peers for t in _packed(parts[p], packs[p])]
+    recvs = [(piece, p) for target, p in zip(targets, sorted(peers)) for piece in torch.split(target, pack_sizes)]
 
     def add_received() -> None:
-        for t, out in zip(own, torch.split(shard, sizes)):
+        for t, out in zip(own, torch.split(shard, pack_sizes)):
             out.add_(t)
         for other in others:
             shard.add_(other)
 
     return Pending(_exchange(sends, recvs, group, REDUCE_SCATTER_TAG), add_received, call)
+
+
+def _packs(sizes: list[int], element_size: int) -> list[tuple[int, int]]:
+    """Consecutive parts [a, b) that travel as one message: small ones packed up to a chunk, large ones alone."""
+    packs: list[tuple[int, int]] = []
+    start, filled = 0, 0
+    for i, n in enumerate(sizes):
+        nbytes = n * element_size
+        if i > start and (nbytes >= GLOO_PACK_BELOW_BYTES or filled + nbytes > GLOO_P2P_CHUNK_BYTES):
+            packs.append((start, i))
+            start, filled = i, 0
+        filled += nbytes
+        if nbytes >= GLOO_PACK_BELOW_BYTES:
+            packs.append((start, i + 1))
+            start, filled = i + 1, 0
+    if start < len(sizes):
+        packs.append((start, len(sizes)))
+    return packs
+
+
+def _packed(parts: list[torch.Tensor], packs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """One flat tensor per pack: the part itself when alone, else the parts concatenated."""
+    flat = [t if t.dim() == 1 else t.reshape(-1) for t in parts]
+    return [flat[a] if b - a == 1 else torch.cat(flat[a:b]) for a, b in packs]
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool,

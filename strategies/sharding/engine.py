@@ -28,7 +28,7 @@ from torch import nn
 from . import observe
 from .collectives import CommStats, one_rank_collectives, wait
 from .forward import ForwardHooks
-from .gradients import ShardedGradients, read_used_flags
+from .gradients import ShardedGradients, launch_together, read_used_flags
 from .groups import make_groups
 from .init_record import InitRecord
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
@@ -40,6 +40,9 @@ from .units import assign_to_units, full_precision_norm_units, gradient_buckets,
 
 WrapPolicy = Callable[[nn.Module, str], bool]
 REDUCTIONS_IN_FLIGHT = 1  # sharded-gradient reductions allowed to overlap backward before the oldest is awaited
+# Sharded-gradient reductions of consecutive small units are started together as one collective (a collective
+# costs a latency whatever its size), until they hold this many bytes; larger units start alone, as soon as ready.
+REDUCE_TOGETHER_BYTES = 2**20
 
 
 class ShardingEngine:
@@ -83,6 +86,9 @@ class ShardingEngine:
         self._share_gradient_norms()
         self._reduce_order = self.units  # built in the order backward is expected to finish them
         self._next_reduce = 0
+        self._gathering: list[ShardUnit] = []  # ready small units whose reductions will start together
+        self._gathering_bytes = 0
+        self._launched: list[list[ShardUnit]] = []  # units whose reductions started together, oldest first
         if meta_ids or has_meta_buffers(module):
             materialize(module, meta_ids, self.device, self._write_full_parameter, self.groups.everyone,
                         init_record, [unit.params for unit in self.units])
@@ -178,11 +184,13 @@ class ShardingEngine:
         (all when None): the instance gets a zero_grad of its own that calls the class's first."""
         original = type(owner).zero_grad
         engine = weakref.ref(self)
+        selection = [(self.units.index(unit), indices) for unit, indices in self._select(params)]  # once
 
         def zero_grad(set_to_none: bool = True) -> None:
             original(owner, set_to_none)
             if (live := engine()) is not None:
-                live.zero_grad(params, set_to_none)
+                for unit_index, indices in selection:
+                    live.units[unit_index].grads.zero(indices, set_to_none)
 
         owner.zero_grad = zero_grad
         self._hooks.append(_InstanceAttribute(owner, "zero_grad"))
@@ -226,12 +234,31 @@ class ShardingEngine:
         while (
             self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce].grads_ready
         ):
-            self._reduce_order[self._next_reduce].grads.launch()
+            unit = self._reduce_order[self._next_reduce]
             self._next_reduce += 1
-            if self.spec.shard_gradients and self._next_reduce > REDUCTIONS_IN_FLIGHT:
-                # Advance an older reduction now so that its full-size gradients are freed during backward,
-                # keeping gradient memory at the shard plus a couple of units, as the ZeRO table expects.
-                self._reduce_order[self._next_reduce - 1 - REDUCTIONS_IN_FLIGHT].grads.advance()
+            if not isinstance(unit.grads, ShardedGradients):
+                unit.grads.launch()
+                continue
+            if self._gathering and not _reduce_alike(self._gathering[0], unit):
+                self._launch_gathered()
+            self._gathering.append(unit)
+            self._gathering_bytes += unit.grads.output_size * unit.reduce_dtype.itemsize
+            if self._gathering_bytes >= REDUCE_TOGETHER_BYTES:
+                self._launch_gathered()
+        if self._next_reduce == len(self._reduce_order):
+            self._launch_gathered()
+
+    def _launch_gathered(self) -> None:
+        if not self._gathering:
+            return
+        launch_together([unit.grads for unit in self._gathering])
+        self._launched.append(self._gathering)
+        self._gathering, self._gathering_bytes = [], 0
+        if len(self._launched) > REDUCTIONS_IN_FLIGHT:
+            # Advance an older reduction now so that its full-size gradients are freed during backward,
+            # keeping gradient memory at the shard plus a couple of units, as the ZeRO table expects.
+            for unit in self._launched.pop(0):
+                unit.grads.advance()
 
     def finish_backward(self) -> None:
         """Launch the reductions of units whose gradients did not all arrive (unused parameters), wait for all,
@@ -248,6 +275,7 @@ class ShardingEngine:
         for unit in self.units:
             unit.grads.attach()
         self._next_reduce = 0
+        self._launched.clear()
         self.in_backward = False
         if self.sync_gradients:  # running statistics (BatchNorm) follow rank 0's, as with DDP's broadcast_buffers
             self._broadcast_buffers()
@@ -321,11 +349,18 @@ class ShardingEngine:
 
     def zero_grad(self, params: list[torch.Tensor] | None = None, set_to_none: bool = True) -> None:
         """Clear the gradients of `params` (all when None) as torch's zero_grad does."""
+        for unit, indices in self._select(params):
+            unit.grads.zero(indices, set_to_none)
+
+    def _select(self, params: list[torch.Tensor] | None) -> list[tuple[ShardUnit, list[int]]]:
+        """(unit, indices of `params` in it) for every unit holding some of `params` (all when None)."""
         wanted = None if params is None else {id(p) for p in params}
+        selection = []
         for unit in self.units:
             indices = [i for i, p in enumerate(unit.params) if wanted is None or id(p) in wanted]
             if indices:
-                unit.grads.zero(indices, set_to_none)
+                selection.append((unit, indices))
+        return selection
 
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The module's parameters `optimizer` steps (its own holds this rank's pieces of them)."""
@@ -415,6 +450,11 @@ def _nothing_to_shard(spec: ShardingSpec, ranks: int, options: UnitOptions, forw
     move), no activation offloading (a context around each forward), no one-rank collectives (collectives.py)."""
     return (spec.shard_parameters and ranks == 1 and options == UnitOptions() and forward_context is None
             and not one_rank_collectives())
+
+
+def _reduce_alike(a: ShardUnit, b: ShardUnit) -> bool:
+    """Whether two units' gradient reductions can be one collective."""
+    return (a.reduce_dtype, a.device, a.groups.shard) == (b.reduce_dtype, b.device, b.groups.shard)
 
 
 def _check_options(spec: ShardingSpec, options: UnitOptions) -> None:

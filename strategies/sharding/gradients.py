@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .collectives import Work, all_reduce_sum, reduce_scatter_parts, wait
+from .placeholder import metadata_access
 from .sharded_gradient import GradientNorms, ShardedGradient, sharded_gradient
 
 if TYPE_CHECKING:
@@ -178,6 +179,27 @@ class ShardedGradients:
         self._generation = 0  # counts the shards this store has made: with the version, whether it changed
         self.size = unit.layout.trainable_shard_size  # the gradient shard covers the trainable segment only
         self.pieces = [p for p in unit.pieces if unit.trainable[p.param_index]]
+        self._plan = [self._rank_plan(pieces) for pieces in unit.pieces_by_rank]
+        self._padding: dict[int, torch.Tensor] = {}  # zeros sent for padding, by length: made once, only read
+        # The used flags sent with the gradients: rewritten only when they change (sent by reference, so only once
+        # this unit's previous reduction is done, which every backward waits for).
+        self._flags = torch.ones(len(unit.params), dtype=unit.reduce_dtype, device=unit.device)
+        self._flags_values = [True] * len(unit.params)
+
+    def _rank_plan(self, pieces: list) -> list[tuple[int, int, int] | int]:
+        """What makes up one rank's slice, worked out once from the layout: (parameter index, start, end) for a
+        piece of a gradient, a length for zeros (padding at the end of a chunk)."""
+        plan: list[tuple[int, int, int] | int] = []
+        filled = 0
+        for piece in (p for p in pieces if self.unit.trainable[p.param_index]):
+            if piece.shard_offset > filled:
+                plan.append(piece.shard_offset - filled)
+            whole = piece.start == 0 and piece.end == self.unit.layout.numels[piece.param_index]
+            plan.append((piece.param_index, piece.start, piece.end) if not whole else (piece.param_index, 0, -1))
+            filled = piece.shard_offset + piece.numel
+        if filled < self.size:
+            plan.append(self.size - filled)
+        return plan
 
     @property
     def nbytes(self) -> int:
@@ -190,34 +212,49 @@ class ShardedGradients:
         to it: pieces of the parameters' `.grad` (in the reduce dtype), zeros where a parameter has none."""
         unit = self.unit
         dtype, device = unit.reduce_dtype, unit.device
-        flags = fill_flags(torch.empty(len(unit.params), dtype=dtype, device=device),
-                           [p.grad is not None for p in unit.params])
+        grads = [p.grad for p in unit.params]
+        values = [g is not None for g in grads]
+        if values != self._flags_values:
+            fill_flags(self._flags, values)
+            self._flags_values = values
+        flags = self._flags
+        flat = [None if g is None else _flat(g) if g.dtype == dtype else _flat(g).to(dtype) for g in grads]
         parts = []
-        for pieces in unit.pieces_by_rank:
-            rank_parts, filled = [], 0
-            for piece in (p for p in pieces if unit.trainable[p.param_index]):
-                if piece.shard_offset > filled:  # padding at the end of a chunk
-                    rank_parts.append(torch.zeros(piece.shard_offset - filled, dtype=dtype, device=device))
-                grad = unit.params[piece.param_index].grad
-                if grad is None:
-                    rank_parts.append(torch.zeros(piece.numel, dtype=dtype, device=device))
+        for plan in self._plan:
+            rank_parts = []
+            for entry in plan:
+                if type(entry) is int:  # padding
+                    rank_parts.append(self._zeros(entry))
+                elif (grad := flat[entry[0]]) is None:
+                    rank_parts.append(torch.zeros(unit.layout.numels[entry[0]] if entry[2] < 0 else entry[2] - entry[1],
+                                                  dtype=dtype, device=device))
                 else:
-                    rank_parts.append(grad.reshape(-1)[piece.start : piece.end].to(dtype))
-                filled = piece.shard_offset + piece.numel
-            if filled < self.size:
-                rank_parts.append(torch.zeros(self.size - filled, dtype=dtype, device=device))
-            parts.append([*rank_parts, flags])
+                    rank_parts.append(grad if entry[2] < 0 else grad[entry[1] : entry[2]])
+            rank_parts.append(flags)
+            parts.append(rank_parts)
         return parts
 
+    def _zeros(self, length: int) -> torch.Tensor:
+        zeros = self._padding.get(length)
+        if zeros is None:
+            zeros = self._padding[length] = torch.zeros(length, dtype=self.unit.reduce_dtype, device=self.unit.device)
+        return zeros
+
     def launch(self) -> None:
-        unit = self.unit
-        for p in unit.params:  # placeholders of an earlier micro-batch are not gradients to send
-            if type(p.grad) is ShardedGradient:
-                p.grad = None
-        self._output = torch.empty(self.size + len(unit.params), dtype=unit.reduce_dtype,
-                                   device=unit.device)
-        self._work = reduce_scatter_parts(self._output, self._parts(), unit.groups.shard, unit.stats, async_op=True,
-                                          unit=unit.name)
+        launch_together([self])
+
+    @property
+    def output_size(self) -> int:
+        """Elements of this rank's slice of the reduction: the gradient shard, then one used flag per parameter."""
+        return self.size + len(self.unit.params)
+
+    def _prepare(self) -> list[list[torch.Tensor]]:
+        """The parts of every rank's slice (`_parts`), once placeholders of an earlier micro-batch are dropped."""
+        with metadata_access():
+            for p in self.unit.params:  # placeholders of an earlier micro-batch are not gradients to send
+                if type(p.grad) is ShardedGradient:
+                    p.grad = None
+        return self._parts()
 
     def advance(self) -> None:
         """Free what backward no longer needs: the `.grad` tensors, once the reduce-scatter has sent them. Under
@@ -232,8 +269,9 @@ class ShardedGradients:
     def _wait_reduce_scatter(self) -> None:
         with self.unit.naming_failures("gradient reduction"):
             wait(self._work)
-        for p in self.unit.params:
-            p.grad = None
+        with metadata_access():  # (the parameters are usually sharded again: placeholders)
+            for p in self.unit.params:
+                p.grad = None
         self._work = None
 
     def _start_across_groups(self) -> None:
@@ -310,6 +348,18 @@ class ShardedGradients:
 
     def zero(self, indices: list[int], set_to_none: bool = True) -> None:
         self._settle()
+        if set_to_none and len(indices) == len(self.unit.params):  # the usual case: every gradient goes
+            self.used.zero_()
+            if self.shard is not None:
+                self.shard = None
+                self._generation += 1
+            with metadata_access():
+                for piece in self.pieces:
+                    self.unit.shard_params[piece.param_index].grad = None
+                for p, trainable in zip(self.unit.params, self.unit.trainable):
+                    if trainable:
+                        p.grad = None
+            return
         if set_to_none:
             self.used[indices] = False
         if self.shard is not None:
@@ -331,11 +381,14 @@ class ShardedGradients:
     def _show(self, used: list[bool]) -> None:
         """`.grad` of each trainable parameter: a placeholder (sharded_gradient.py) where some rank had a gradient
         since zero_grad, else None."""
-        for index, p in enumerate(self.unit.params):
-            if self.unit.trainable[index]:
-                if used[index] and index not in self._placeholders:
-                    self._placeholders[index] = sharded_gradient(p, self.unit.param_names[index], self, index)
-                p.grad = self._placeholders[index] if used[index] else None
+        unit = self.unit
+        for index, p in enumerate(unit.params):
+            if used[index] and unit.trainable[index] and index not in self._placeholders:
+                self._placeholders[index] = sharded_gradient(p, unit.param_names[index], self, index)
+        with metadata_access():
+            for index, p in enumerate(unit.params):
+                if unit.trainable[index]:
+                    p.grad = self._placeholders[index] if used[index] else None
 
     def part(self, index: int) -> torch.Tensor:
         """This rank's slice of parameter `index`'s averaged gradient (empty when it holds none of it)."""
@@ -357,6 +410,21 @@ class ShardedGradients:
     def refresh(self) -> None: ...
 
 
+def launch_together(stores: list[ShardedGradients]) -> None:
+    """Start the reduce-scatter of several units' gradients as one collective (units of one reduce dtype, device
+    and group): rank r's slice is every unit's slice for r, end to end, so each unit's output is a piece of the
+    one output and every element is summed as it would be alone. Small units so pay one collective's latency."""
+    unit = stores[0].unit
+    sizes = [store.output_size for store in stores]
+    prepared = [store._prepare() for store in stores]
+    parts = [[t for rank_parts in prepared for t in rank_parts[r]] for r in range(unit.world_size)]
+    output = torch.empty(sum(sizes), dtype=unit.reduce_dtype, device=unit.device)
+    name = unit.name if len(stores) == 1 else "+".join(store.unit.name or "<root>" for store in stores)
+    work = reduce_scatter_parts(output, parts, unit.groups.shard, unit.stats, async_op=True, unit=name)
+    for store, piece in zip(stores, torch.split(output, sizes)):
+        store._output, store._work = piece, work
+
+
 def read_used_flags(stores: list) -> None:
     """Bring the pending "used" flags of `stores` to the host with one copy: each copy from the GPU waits for
     everything queued before it, so one per unit would stall the host many times per backward."""
@@ -366,6 +434,11 @@ def read_used_flags(stores: list) -> None:
     on_host = torch.cat([flags.reshape(-1) for _, flags in pending]).cpu()
     for (store, _), host in zip(pending, torch.split(on_host, [f.numel() for _, f in pending])):
         store.take_flags(host)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` flattened (without a call when it is 1-D already: this runs for every parameter at every step)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def fill_flags(flags: torch.Tensor, values: list[bool]) -> torch.Tensor:

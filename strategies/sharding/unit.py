@@ -51,6 +51,7 @@ class ShardUnit:
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.trainable = [p.requires_grad for p in self.params]
+        self.trainable_count = sum(self.trainable)  # gradients that arrive in each backward
         self.layout = FlatLayout([p.shape for p in self.params], self.world_size, self.trainable)
         options = options or UnitOptions()
         self.dtype = self.params[0].dtype  # of the master weights and of checkpoints
@@ -92,8 +93,21 @@ class ShardUnit:
             self.master = self._master_copy(full)
         self.full_flat = full.to(self.compute_dtype)
         self._full_views = self.layout.views(self.full_flat)  # made once: they outlive the storage's resizes
+        self._gather_views = self._views_to_gather()
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
         self._point_params_at(self._full_views)
+
+    def _views_to_gather(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per segment, (this rank's place in the full buffer, its master slice, the segment in full): made once,
+        like the parameters' views, since a view cannot be made of a freed buffer."""
+        if not self.spec.shard_parameters:
+            return []
+        views = []
+        for segment, lo, hi in self.layout.owned(self.rank):
+            master = self.master[segment.shard_start : segment.shard_start + segment.chunk]
+            whole = self.full_flat[segment.start : segment.start + segment.chunk * self.world_size]
+            views.append((self.full_flat[lo:hi], master, whole))
+        return views
 
     def _master_copy(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slices of `full`, on their own: offloaded from a GPU in pinned host memory, so that
@@ -147,14 +161,11 @@ class ShardUnit:
         if self.before_gather is not None:
             self.before_gather(self)
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
-        for segment, lo, hi in self.layout.owned(self.rank):
-            own = self.full_flat[lo:hi]  # gathered in place, as FSDP2 does: no separate input buffer
-            master = self.master[segment.shard_start : segment.shard_start + segment.chunk]
+        for own, master, whole in self._gather_views:  # gathered in place, as FSDP2 does: no separate input buffer
             if master.device != own.device and master.dtype != own.dtype:
                 own.copy_(master.to(own.device, non_blocking=True))  # moved, then cast on the device
             else:
                 own.copy_(master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
-            whole = self.full_flat[segment.start : segment.start + segment.chunk * self.world_size]
             self._gather_works.append(all_gather(whole, own, self.groups.shard, self.stats, async_op=True,
                                                   unit=self.name))
         self.state = ParamState.UNSHARDING
@@ -252,4 +263,4 @@ class ShardUnit:
         """A gradient was accumulated into `.grad`; True when the unit's last one arrived."""
         self.grads.on_grad_ready(index)
         self.ready_count += 1
-        return self.ready_count == sum(self.trainable)
+        return self.ready_count == self.trainable_count

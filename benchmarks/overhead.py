@@ -1,0 +1,251 @@
+"""The framework's own host time on CPU: 48 tiny blocks, where compute is small and hooks, copies and collectives
+show. All variants of a table run in one run, interleaved round by round.
+
+    python benchmarks/overhead.py                      # both tables (~2 min on 2 busy cores)
+    python benchmarks/overhead.py --part one --rounds 7
+    python benchmarks/overhead.py --part two --variants torch-ddp,zero2
+
+Model: examples.gpt GPT with 48 Blocks of width 64 (4 heads, 64 tokens, vocabulary 256), batch 2, fp32,
+AdamW(foreach=True), one thread per process. A step is model(x), cross-entropy, backward, optimizer.step(),
+optimizer.zero_grad(set_to_none=True).
+
+- `--part one`: world size 1 (gloo). "@many" variants run with SHARDTRAIN_ONE_RANK_COLLECTIVES=1: the engine's
+  many-rank path (units, hooks, gather and reduce buffers; on gloo one rank's collectives are local copies), as
+  torch's `fully_shard` runs its collectives on one rank too. The table gives each variant's median step and its
+  extra host time per unit over plain torch ((median - torch's median) / 49 units: 48 Blocks and the root).
+- `--part two`: 2 gloo ranks on this machine, step timed on rank 0 between two barriers: torch's
+  DistributedDataParallel and `fully_shard` (per Block, then the root) beside this project's ddp, zero2 and fsdp.
+
+Each round runs every variant (each round starts one variant later) for --warmup untimed and --steps timed steps;
+variants are built once, from the same seed. Medians are over all timed steps of all rounds; "spread" is the
+range of the per-round medians over the overall median, a measure of the machine's noise in that run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from examples.gpt import GPT, Block, GPTConfig  # noqa: E402
+from strategies import FSDPStrategy, get_strategy  # noqa: E402
+from strategies.sharding.collectives import ONE_RANK_COLLECTIVES  # noqa: E402
+
+CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=48, n_head=4, n_embd=64)
+UNITS = CONFIG.n_layer + 1
+ONE_RANK = ["torch", "fully_shard", "ddp", "zero2", "fsdp", "ddp@many", "zero2@many", "fsdp@many"]
+TWO_RANKS = ["torch-ddp", "fully_shard", "ddp", "zero2", "fsdp"]
+Step = Callable[[], None]
+
+
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1 + rank)
+    stream = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size + 1), generator=g)
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+@contextmanager
+def collectives_of(variant: str):
+    """One-rank collectives on for an "@many" variant (read when units are built and at each call)."""
+    previous = os.environ.get(ONE_RANK_COLLECTIVES)
+    os.environ[ONE_RANK_COLLECTIVES] = "1" if variant.endswith("@many") else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ONE_RANK_COLLECTIVES)
+        else:
+            os.environ[ONE_RANK_COLLECTIVES] = previous
+
+
+def build(variant: str, rank: int) -> Step:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    name = variant.removesuffix("@many")
+    if name == "torch":
+        wrapped = model
+    elif name == "torch-ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+    elif name == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.h:
+            fully_shard(block)
+        wrapped = fully_shard(model)
+    else:
+        strategy = FSDPStrategy(auto_wrap_policy={Block}) if name == "fsdp" else get_strategy(name)
+        wrapped = strategy.setup_module(model)
+        optimizer = strategy.setup_optimizer(torch.optim.AdamW(wrapped.parameters(), lr=1e-4, foreach=True))
+        return make_step(wrapped, optimizer, rank, strategy)
+    return make_step(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, foreach=True), rank)
+
+
+def make_step(model: Any, optimizer: torch.optim.Optimizer, rank: int, strategy: Any = None) -> Step:
+    """`strategy` is kept alive with the step: the engine's gradient hooks hold it weakly, so a dropped strategy's
+    engine goes with the next garbage collection and its model trains on unaveraged gradients."""
+    x, y = batch(rank)
+
+    def step() -> None:
+        assert strategy is None or strategy.engine is not None
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed(step: Step, count: int, barrier: bool) -> list[tuple[float, float]]:
+    """(wall, process CPU) seconds of each step."""
+    times = []
+    for _ in range(count):
+        if barrier:
+            dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        step()
+        if barrier:
+            dist.barrier()
+        times.append((time.perf_counter() - start, time.process_time() - cpu))
+    return times
+
+
+Times = dict[str, list[list[tuple[float, float]]]]  # by variant, by round: (wall, CPU) of each step
+
+
+def run_interleaved(variants: list[str], rounds: int, steps: int, warmup: int, rank: int, barrier: bool) -> Times:
+    built: dict[str, Step] = {}
+    times: Times = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in variants[r % len(variants):] + variants[: r % len(variants)]:
+            with collectives_of(name):
+                if name not in built:
+                    built[name] = build(name, rank)
+                timed(built[name], warmup, barrier)
+                times[name].append(timed(built[name], steps, barrier))
+    return times
+
+
+def summary(rounds: list[list[tuple[float, float]]], which: int) -> tuple[float, float]:
+    """Of wall (which=0) or CPU (1) time: the median over every timed step, and the spread (the range of the
+    per-round medians over that median)."""
+    median = statistics.median(t[which] for r in rounds for t in r)
+    per_round = [statistics.median(t[which] for t in r) for r in rounds]
+    return median, (max(per_round) - min(per_round)) / median
+
+
+# ------------------------------------------------------------------------------------------------ parts
+
+
+def init(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def part_one(args: argparse.Namespace) -> None:
+    init(0, 1, free_port())
+    times = run_interleaved(args.variants or ONE_RANK, args.rounds, args.steps, args.warmup, 0, barrier=False)
+    dist.destroy_process_group()
+    print(f"\nworld size 1 ({args.rounds} rounds x {args.steps} steps per variant; extra per unit = (median - "
+          f"torch's median) / {UNITS} units; host = the process's CPU time)\n")
+    print("| variant | median step (ms) | spread | extra per unit (us) | host per step (ms) | spread | "
+          "extra host per unit (us) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    extra: dict[str, list[float]] = {}
+    for name, rounds in times.items():
+        cells = []
+        for which in (0, 1):
+            median, spread = summary(rounds, which)
+            plain = summary(times["torch"], which)[0] if "torch" in times else float("nan")
+            extra.setdefault(name, []).append((median - plain) / UNITS * 1e6)
+            cells += [f"{median * 1e3:.2f}", f"{spread:.0%}", f"{extra[name][which]:+.0f}"]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    for a, b in (("fsdp@many", "zero2@many"), ("fsdp@many", "fully_shard")):
+        if a in extra and b in extra:
+            print(f"\n{a} / {b}, extra per unit: wall {extra[a][0] / extra[b][0]:.2f}, "
+                  f"host {extra[a][1] / extra[b][1]:.2f}")
+
+
+def _rank_two(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    init(rank, 2, port)
+    os.environ[ONE_RANK_COLLECTIVES] = "0"
+    times = run_interleaved(args.variants or TWO_RANKS, args.rounds, args.steps, args.warmup, rank, barrier=True)
+    if rank == 0:
+        queue.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def part_two(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = free_port()
+    processes = [context.Process(target=_rank_two, args=(rank, args, port, queue)) for rank in range(2)]
+    for p in processes:
+        p.start()
+    times = queue.get()
+    for p in processes:
+        p.join()
+    print(f"\n2 gloo ranks ({args.rounds} rounds x {args.steps} steps per variant; rank 0, between barriers; "
+          "CPU: rank 0's process, gloo's threads included)\n")
+    print("| variant | median step (ms) | spread | vs torch | CPU per step (ms) | vs torch |")
+    print("|---|---:|---:|---:|---:|---:|")
+    counterpart = {"ddp": "torch-ddp", "zero2": "torch-ddp", "fsdp": "fully_shard"}
+    for name, rounds in times.items():
+        (wall, spread), (cpu, _) = summary(rounds, 0), summary(rounds, 1)
+        other = counterpart.get(name)
+        if other in times:
+            ratios = [f"{wall / summary(times[other], 0)[0]:.2f} x {other}",
+                      f"{cpu / summary(times[other], 1)[0]:.2f} x"]
+        else:
+            ratios = ["", ""]
+        print(f"| {name} | {wall * 1e3:.2f} | {spread:.0%} | {ratios[0]} | {cpu * 1e3:.2f} | {ratios[1]} |")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", choices=["one", "two", "both"], default="both")
+    parser.add_argument("--variants", type=lambda s: s.split(","), default=None,
+                        help=f"comma-separated; world size 1: {','.join(ONE_RANK)}; 2 ranks: {','.join(TWO_RANKS)}")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    print(f"{started:%Y-%m-%d %H:%M} UTC; {platform.platform()}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs; Python {platform.python_version()}, torch {torch.__version__}")
+    print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
+    if args.part in ("one", "both"):
+        part_one(args)
+    if args.part in ("two", "both"):
+        part_two(args)
+    print(f"\n({(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds():.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
