@@ -19,7 +19,16 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from strategies import FSDPStrategy, mark_as_unit
-from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions, gradient_access
+from strategies.sharding import (
+    FULL_SHARD,
+    REPLICATED,
+    ZERO1,
+    ZERO2,
+    ShardingEngine,
+    UnitOptions,
+    gradient_access,
+    observe,
+)
 from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 from strategies.sharding.layout import FlatLayout
 from strategies.wrap import resolve_wrap_policy
@@ -161,6 +170,55 @@ def test_small_units_reduce_scatter_as_one_collective_with_the_same_numbers(rank
         assert (units, together, alone) == (3, 1, 3)
         assert grouped.keys() == separate.keys()
         assert all(torch.equal(grouped[k], separate[k]) for k in grouped)
+
+
+class NormedStack(nn.Module):
+    """Three Linear units of 4,160 elements with a 64-element LayerNorm unit between each two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.LayerNorm(64),
+                                    nn.Linear(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class GatherOrder(observe.Watcher):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def started(self, call: observe.Call) -> None:
+        if call.kind == "all_gather":
+            self.events.append(f"gather {call.unit}")
+
+    def unit_forward(self, unit: str, entering: bool) -> None:
+        if entering:
+            self.events.append(f"forward {unit}")
+
+
+def body_prefetch_looks_past_small_units() -> list[str]:
+    torch.manual_seed(0)
+    model = NormedStack()
+    engine = ShardingEngine(model, FULL_SHARD, wrap_policy=lambda m, name: name.startswith("layers."))
+    opt = engine.setup_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 64)
+    for _ in range(2):  # the first pass learns the order; the second prefetches by it
+        watcher = GatherOrder()
+        with observe.watched_by(watcher):
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return watcher.events
+
+
+def test_fsdp_prefetch_looks_past_small_units(rank_pool):
+    """A small unit (a normalization layer kept in full precision under a param dtype is one) would be all the
+    look-ahead there is: the next large unit's gather starts with the unit before the small one, not after it."""
+    for events in rank_pool(2).run(body_prefetch_looks_past_small_units):
+        forward = events[: events.index("forward layers.4") + 1]
+        assert forward.index("gather layers.2") < forward.index("forward layers.1"), forward
+        assert forward.index("gather layers.4") < forward.index("forward layers.3"), forward
 
 
 def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:

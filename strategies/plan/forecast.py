@@ -5,10 +5,10 @@ collectives the engine issues for the units or buckets `plan_units` lays out at 
 dtypes, order), each timed on a link (link.py) and queued on one communication stream as the engine queues them:
 
 - fsdp / hsdp: the root unit is gathered first and kept; every other unit is all-gathered before its forward (the
-  next one prefetched when a unit starts computing), again before its backward (resharded after forward), and its
-  gradients reduce-scattered when its backward ends, at most one reduction in flight (the engine waits for the
-  oldest before starting the next). hsdp gathers and reduce-scatters within its shard group and all-reduces the
-  shard across the groups.
+  next one, and any small units before it, prefetched when a unit starts computing), again before its backward
+  (resharded after forward; the last unit of forward stays gathered), and its gradients reduce-scattered when its
+  backward ends, small units' together, at most one reduction in flight (the engine waits for the oldest).
+  hsdp gathers and reduce-scatters within its shard group and all-reduces the shard across the groups.
 - ddp / zero1: each gradient bucket is all-reduced as soon as backward has produced all its gradients;
   zero2 reduce-scatters it instead (one in flight). zero1 and zero2 all-gather the updated parameters after the
   optimizer step, with nothing left to overlap.
@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..sharding.engine import REDUCE_TOGETHER_BYTES, REDUCTIONS_IN_FLIGHT
+from ..sharding.forward import SMALL_UNIT_FRACTION
 from .compute import ComputeCost
 from .hardware import Hardware
 from .link import collective_seconds
@@ -31,8 +33,6 @@ from .link import collective_seconds
 if TYPE_CHECKING:
     from .model_state import PlannedUnit
 
-SMALL_UNIT_FRACTION = 0.125  # the engine prefetches through units smaller than this share of the largest
-REDUCTION_SLACK = 0.25  # the engine's bound on unreduced gradient bytes in flight, over the largest unit's
 FORECAST_KEYS = ("step_s", "tokens_per_s_per_rank", "mfu", "exposed_comm_s")
 
 
@@ -126,18 +126,27 @@ def prefetch_window(sequence: list[str], start: int, by_name: dict[str, PlannedU
 
 
 class Reductions:
-    """Sharded-gradient reductions in flight, as the engine bounds them: after launching one, it waits for the
-    oldest while the unreduced bytes in flight exceed the largest unit's by more than REDUCTION_SLACK."""
+    """Sharded-gradient reductions as the engine starts them: consecutive units gathered until they hold
+    REDUCE_TOGETHER_BYTES, then sent as one collective; once more than REDUCTIONS_IN_FLIGHT are in flight, compute
+    waits for the oldest (so that its full-size gradients are freed during backward)."""
 
-    def __init__(self, line: Timeline, largest: int) -> None:
-        self.line, self.limit = line, largest * (1 + REDUCTION_SLACK)
-        self.in_flight: list[tuple[float, int]] = []  # (end, bytes), oldest first
+    def __init__(self, line: Timeline, kind: str, ranks: int) -> None:
+        self.line, self.kind, self.ranks = line, kind, ranks
+        self.gathering = 0  # bytes waiting to be sent together
+        self.in_flight: list[float] = []  # when each launched reduction ends, oldest first
 
-    def launch(self, kind: str, nbytes: int, ranks: int) -> None:
-        self.in_flight.append((self.line.issue(kind, nbytes, ranks), nbytes))
-        while len(self.in_flight) > 1 and sum(b for _, b in self.in_flight) > self.limit:
-            end, _ = self.in_flight.pop(0)
-            self.line.now = max(self.line.now, end)
+    def ready(self, nbytes: int) -> None:
+        self.gathering += nbytes
+        if self.gathering >= REDUCE_TOGETHER_BYTES:
+            self.launch()
+
+    def launch(self) -> None:
+        if not self.gathering:
+            return
+        self.in_flight.append(self.line.issue(self.kind, self.gathering, self.ranks))
+        self.gathering = 0
+        if len(self.in_flight) > REDUCTIONS_IN_FLIGHT:
+            self.line.now = max(self.line.now, self.in_flight.pop(0))
 
 
 def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], hybrid_replicas: int,
@@ -152,10 +161,10 @@ def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], h
     def reduce_bytes(u: PlannedUnit) -> int:
         return u.layout.padded_total * (reduce_itemsize or u.compute_dtype.itemsize) * u.has_trainable
 
-    reductions = Reductions(line, max(reduce_bytes(u) for u in units))
+    reductions = Reductions(line, "reduce_scatter", shard)
 
     def reduce(u: PlannedUnit) -> None:
-        reductions.launch("reduce_scatter", reduce_bytes(u), shard)
+        reductions.ready(reduce_bytes(u))
         if hybrid_replicas > 1:  # the shard's all-reduce across the groups follows on the same stream
             line.issue("all_reduce", reduce_bytes(u) // shard, hybrid_replicas)
 
@@ -185,6 +194,7 @@ def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], h
                 reduce(by_name[unit])
     if "" in by_name:
         reduce(by_name[""])
+    reductions.launch()
 
 
 def _bucketed_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], param_owners: list[list[str]],
@@ -197,7 +207,7 @@ def _bucketed_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], 
     remaining = {owner: sum(1 for o, _ in segments if o == owner) for owner, _ in segments}
     launched = [False] * len(units)
     nbytes_of = [u.layout.padded_total * (reduce_itemsize or u.compute_dtype.itemsize) for u in units]
-    reductions = Reductions(line, max(nbytes_of))
+    reductions = Reductions(line, "reduce_scatter", world)
     for owner, seconds in segments:
         line.compute(seconds)
         remaining[owner] -= 1
@@ -208,12 +218,16 @@ def _bucketed_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], 
                 continue
             launched[b] = True
             if sharded_gradients:
-                reductions.launch("reduce_scatter", nbytes_of[b], world)
+                reductions.ready(nbytes_of[b])
             else:
                 line.issue("all_reduce", nbytes_of[b], world)
     for b, unit in enumerate(units):  # buckets whose parameters no op touched: reduced at the end
         if not launched[b] and unit.has_trainable:
-            line.issue("reduce_scatter" if sharded_gradients else "all_reduce", nbytes_of[b], world)
+            if sharded_gradients:
+                reductions.ready(nbytes_of[b])
+            else:
+                line.issue("all_reduce", nbytes_of[b], world)
+    reductions.launch()
     return [u.layout.padded_total * u.compute_dtype.itemsize for u in units] if gather_after_step else []
 
 

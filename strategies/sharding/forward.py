@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from .engine import ShardingEngine
 
 
+SMALL_UNIT_FRACTION = 0.125  # prefetching looks past units smaller than this share of the largest
+
+
 class ForwardHooks:
     def __init__(
         self,
@@ -114,7 +117,7 @@ class ForwardHooks:
             return self._cast_inputs(unit, args, kwargs)
         args, kwargs = self._cast_inputs(unit, args, kwargs)
         self.order.append(unit)
-        self._prefetch(self.last_order[len(self.order) : len(self.order) + 1])
+        self._prefetch(self._ahead(self.last_order, len(self.order), +1))
         if torch.is_grad_enabled():
             args, kwargs, unit.inputs_need_grad = call_after_inputs_grad(
                 args, kwargs, lambda: self._on_inputs_grad(unit)
@@ -144,7 +147,7 @@ class ForwardHooks:
         self.order = []
         if self.root is not None:
             self.root.unshard()
-        self._prefetch(self.last_order[:1])
+        self._prefetch(self._ahead(self.last_order, 0, +1))
         if self.forward_context is not None and torch.is_grad_enabled():
             self._context = self.forward_context()
             self._context.__enter__()
@@ -177,6 +180,19 @@ class ForwardHooks:
         otherwise the next optimizer step or evaluation reshards it)."""
         order, last = self.order, self.last_order
         return torch.is_grad_enabled() and len(order) == len(last) > 0 and order[-1] is unit is last[-1]
+
+    def _ahead(self, order: list[ShardUnit], start: int, step: int) -> list[ShardUnit]:
+        """The units to gather ahead: from order[start] on in the direction `step`, up to and including the first
+        that is not small. A small unit (a normalization layer kept in full precision is a unit of its own) would
+        otherwise be all the look-ahead there is, and the next block's gather would start only when it runs."""
+        largest = max(u.layout.padded_total for u in self.engine.units)
+        window = []
+        while 0 <= start < len(order):
+            window.append(order[start])
+            if order[start].layout.padded_total >= SMALL_UNIT_FRACTION * largest:
+                break
+            start += step
+        return window
 
     def _prefetch(self, units: list[ShardUnit]) -> None:
         for unit in units:
@@ -214,8 +230,7 @@ class ForwardHooks:
         unit.backward_started = True
         unit.unshard()
         if unit in self.order:
-            position = self.order.index(unit)
-            self._prefetch(self.order[position - 1 : position] if position > 0 else [])
+            self._prefetch(self._ahead(self.order, self.order.index(unit) - 1, -1))
 
     def _on_inputs_grad(self, unit: ShardUnit) -> None:
         unit.input_grad_done = True
