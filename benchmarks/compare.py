@@ -118,8 +118,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def watchers(name: str) -> list:
     """The watchers of a "+timed" or "+checked" variant, installed around its steps."""
-    from trainer.divergence import DivergenceCheck
-    from trainer.timing import StepTimer
+    from trainer.observe.divergence import DivergenceCheck
+    from trainer.observe.timing import StepTimer
 
     if name.endswith("+timed"):
         return [StepTimer()]

@@ -26,21 +26,21 @@ from . import config, construction, evaluation, planning
 from .checkpoint import Saver, find_last
 from .data import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
-from .divergence import enabled_by_env as divergence_by_env
 from .evaluation_steps import StepMemory
 from .fit_data import FitLoaders
-from .instruments import during_fit
 from .loader_state import LoaderPosition
 from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
 from .nonfinite import NonFiniteGuard
+from .observe.divergence import enabled_by_env as divergence_by_env
+from .observe.instruments import during_fit
+from .observe.timing import StepTimer
 from .optimizers import SchedulerConfig, configure_optimizers, manual_optimization
 from .precision import Precision, check_precision
 from .preemption import SignalWatch
 from .profilers import Profiler
 from .state import TrainerState
-from .timing import StepTimer
 from .unsupported import refuse as refuse_unsupported
 
 # What fast_dev_run turns off, as Lightning does: nothing is saved, logged or stopped early.
