@@ -24,10 +24,10 @@ import torch.distributed as dist
 
 from callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
 
-from . import preemption
 from .agreement import Agreement, agree
 from .data import loader_length, set_epoch
 from .evaluation import evaluate, log_metrics, to_step
+from .launch import preemption
 from .nonfinite import nonfinite_losses
 from .optimizers import step_schedulers
 from .resume_sampler import start_at_batch

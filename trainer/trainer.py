@@ -28,6 +28,7 @@ from .data import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
 from .evaluation_steps import StepMemory
 from .fit_data import FitLoaders
+from .launch.preemption import SignalWatch
 from .loader_state import LoaderPosition
 from .loop import StepRunner
 from .metrics import MetricCollector
@@ -38,7 +39,6 @@ from .observe.instruments import during_fit
 from .observe.timing import StepTimer
 from .optimizers import SchedulerConfig, configure_optimizers, manual_optimization
 from .precision import Precision, check_precision
-from .preemption import SignalWatch
 from .profilers import Profiler
 from .state import TrainerState
 from .unsupported import refuse as refuse_unsupported
