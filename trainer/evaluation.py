@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .data import limit_batches
+from .data.loaders import limit_batches
 from .evaluation_steps import run_steps
 from .module import TrainModule
 from .state import move_to_device

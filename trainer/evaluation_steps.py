@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from strategies.step_trace import Collective, StepMismatch, first_unrepeatable
 
 from .agreement import count_across_ranks
-from .data import batches_per_rank, loader_length
+from .data.loaders import batches_per_rank, loader_length
 
 if TYPE_CHECKING:
     from .trainer import Trainer

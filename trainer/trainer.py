@@ -24,12 +24,12 @@ from strategies import Strategy
 
 from . import config, construction, evaluation, planning
 from .checkpoint import Saver, find_last
-from .data import distributed_loader
+from .data.fit_data import FitLoaders
+from .data.loader_state import LoaderPosition
+from .data.loaders import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
 from .evaluation_steps import StepMemory
-from .fit_data import FitLoaders
 from .launch.preemption import SignalWatch
-from .loader_state import LoaderPosition
 from .loop import StepRunner
 from .metrics import MetricCollector
 from .module import TrainModule
