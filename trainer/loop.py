@@ -29,7 +29,7 @@ from .data.loaders import loader_length, set_epoch
 from .data.resume_sampler import start_at_batch
 from .data.stream_check import warn_if_unsplit
 from .data.uneven import Lookahead, report_unused
-from .evaluation import evaluate, log_metrics, to_step
+from .evaluation.evaluate import evaluate, log_metrics, to_step
 from .launch import preemption
 from .nonfinite import nonfinite_losses
 from .optimizers import step_schedulers

@@ -22,16 +22,17 @@ from callbacks import (
 )
 from strategies import Strategy
 
-from . import config, construction, evaluation, planning
+from . import config, construction, planning
 from .checkpoint import Saver, find_last
 from .data.fit_data import FitLoaders
 from .data.loader_state import LoaderPosition
 from .data.loaders import distributed_loader
 from .datamodule import DataModule, datamodule_in, prepare_data
-from .evaluation_steps import StepMemory
+from .evaluation.evaluate import evaluate, predict, unless_undefined
+from .evaluation.metrics import MetricCollector
+from .evaluation.steps import StepMemory
 from .launch.preemption import SignalWatch
 from .loop import StepRunner
-from .metrics import MetricCollector
 from .module import TrainModule
 from .nonfinite import NonFiniteGuard
 from .observe.divergence import enabled_by_env as divergence_by_env
@@ -242,7 +243,7 @@ class Trainer:
         self.state = TrainerState()
         self.metrics = MetricCollector(reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op),
                                        gather=lambda obj: self.strategy.all_gather_object(obj))
-        self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation_steps.py)
+        self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation/steps.py)
         self.skipped_validation: str | None = None  # why fit does not validate, when a loader was given
         self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
         self.module: TrainModule | None = None
@@ -359,7 +360,7 @@ class Trainer:
         self._fit_loaders = FitLoaders(  # asked for when Lightning asks (fit_data.py)
             self,
             lambda: self._loader(train_dataloaders, source.train_dataloader, "train_dataloaders", required=True),
-            lambda: evaluation.unless_undefined(
+            lambda: unless_undefined(
                 self, module, self._loader(val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
             ),
         )
@@ -470,8 +471,8 @@ class Trainer:
             self._restore(ckpt_path, weights_only=True, trust_pickled=trust_pickled)
         with self._stage(stage):
             if stage == "predict":
-                return evaluation.predict(self, loader)
-            return [evaluation.evaluate(self, loader, stage)]
+                return predict(self, loader)
+            return [evaluate(self, loader, stage)]
 
     # ---- memory plan --------------------------------------------------------------------------------
     def plan(
