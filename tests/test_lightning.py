@@ -24,7 +24,7 @@ from strategies.sharding.placeholder import ShardedParameterError
 from tests.test_parity import max_relative_difference
 from trainer import DataModule, Trainer, TrainModule
 from trainer.hparams import AttributeDict
-from trainer.optimizers import normalize
+from trainer.loop.optimizers import normalize
 
 
 def _opt(n: int = 1) -> list[torch.optim.Optimizer]:

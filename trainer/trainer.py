@@ -32,14 +32,14 @@ from .evaluation.evaluate import evaluate, predict, unless_undefined
 from .evaluation.metrics import MetricCollector
 from .evaluation.steps import StepMemory
 from .launch.preemption import SignalWatch
-from .loop import StepRunner
+from .loop.fit import StepRunner
+from .loop.nonfinite import NonFiniteGuard
+from .loop.optimizers import SchedulerConfig, configure_optimizers, manual_optimization
+from .loop.precision import Precision, check_precision
 from .module import TrainModule
-from .nonfinite import NonFiniteGuard
 from .observe.divergence import enabled_by_env as divergence_by_env
 from .observe.instruments import during_fit
 from .observe.timing import StepTimer
-from .optimizers import SchedulerConfig, configure_optimizers, manual_optimization
-from .precision import Precision, check_precision
 from .profilers import Profiler
 from .state import TrainerState
 from .unsupported import refuse as refuse_unsupported

@@ -24,20 +24,20 @@ import torch.distributed as dist
 
 from callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
 
+from ..data.loaders import loader_length, set_epoch
+from ..data.resume_sampler import start_at_batch
+from ..data.stream_check import warn_if_unsplit
+from ..data.uneven import Lookahead, report_unused
+from ..evaluation.evaluate import evaluate, log_metrics, to_step
+from ..launch import preemption
+from ..seed import rng_state, set_rng_state
 from .agreement import Agreement, agree
-from .data.loaders import loader_length, set_epoch
-from .data.resume_sampler import start_at_batch
-from .data.stream_check import warn_if_unsplit
-from .data.uneven import Lookahead, report_unused
-from .evaluation.evaluate import evaluate, log_metrics, to_step
-from .launch import preemption
 from .nonfinite import nonfinite_losses
 from .optimizers import step_schedulers
-from .seed import rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from .data.fit_data import FitLoaders
-    from .trainer import Trainer
+    from ..data.fit_data import FitLoaders
+    from ..trainer import Trainer
 
 READ_EPOCH_METRICS = (ModelCheckpoint, EarlyStopping, ProgressBar)  # their on_train_epoch_end comes after the metrics
 
