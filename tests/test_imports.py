@@ -1,6 +1,8 @@
 """The packages' imports point down (trainer -> strategies -> strategies/sharding -> torch; callbacks see the Trainer,
-never the engine) and no module imports another in a circle. Annotation-only imports (under TYPE_CHECKING) do not
-count; an import inside a function does: a circle hidden in a function is still a circle."""
+never the engine) and no module imports another in a circle. Inside trainer/, each part (a folder) imports only the
+parts below it, and never the Trainer that puts them together (docs/architecture.md draws the layers).
+Annotation-only imports (under TYPE_CHECKING) do not count; an import inside a function does: a circle hidden in a
+function is still a circle."""
 
 from __future__ import annotations
 
@@ -12,6 +14,18 @@ PACKAGES = ("trainer", "strategies", "callbacks")
 MUST_NOT_IMPORT = {  # package prefix -> prefixes it may never import
     "strategies": ("trainer", "callbacks"),
     "strategies.sharding": ("strategies.plan", "strategies.checkpoint", "trainer", "callbacks"),
+}
+
+# trainer's parts -> what each may import of trainer outside itself (module prefixes). The Trainer (trainer.trainer,
+# trainer.stages), the command line (trainer.cli, above the Trainer) and the plan stay out of every part.
+TRAINER_PARTS_MAY_IMPORT = {
+    "trainer.launch": (),
+    "trainer.observe": (),
+    "trainer.profilers": (),
+    "trainer.data": ("trainer.seed",),
+    "trainer.checkpoint": ("trainer.seed", "trainer.data.loader_state"),
+    "trainer.evaluation": ("trainer.module", "trainer.state", "trainer.data", "trainer.loop.agreement"),
+    "trainer.loop": ("trainer.config", "trainer.seed", "trainer.data", "trainer.evaluation", "trainer.launch"),
 }
 
 
@@ -66,6 +80,19 @@ def test_imports_point_down():
             if module == prefix or module.startswith(prefix + "."):
                 wrong += [f"{module} imports {m}" for m in imported
                           if any(m == f or m.startswith(f + ".") for f in forbidden)]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_trainer_parts_import_only_the_parts_below_them():
+    def within(module: str, prefix: str) -> bool:
+        return module == prefix or module.startswith(prefix + ".")
+
+    wrong = []
+    for module, imported in import_graph().items():
+        for part, allowed in TRAINER_PARTS_MAY_IMPORT.items():
+            if within(module, part):
+                wrong += [f"{module} imports {m}" for m in imported if within(m, "trainer")
+                          and not within(m, part) and not any(within(m, a) for a in allowed)]
     assert not wrong, "\n".join(sorted(wrong))
 
 
