@@ -98,7 +98,7 @@ def paper_check() -> None:
         print(f"\n128/8 GPUs, {schedule}: forecast {ours:.3f}, torchtitan {theirs:.3f} "
               f"({100 * (ours - theirs):+.1f} points)")
     print("\n| GPUs (nodes of 8) | strategy | step (s) | tokens/s per GPU | MFU | exposed comm (s) | "
-          "memory per GPU (planned without checkpointing: an upper bound) |")
+          "planned memory per GPU |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for gpus in (8, 64, 128, 1024):
         plan = llama_plan(gpus, gpus // 8, "engine")
@@ -135,7 +135,7 @@ def layer_check() -> None:
         return
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    from strategies.plan.compute import _selective_policy
+    from strategies.plan.checkpointing import selective_policy
 
     with torch.device("meta"):
         meta = OneLayer()
@@ -143,7 +143,7 @@ def layer_check() -> None:
                            activation_checkpointing={OneLayer}, checkpoint_mode="selective").forecasts["ddp"]
     model = OneLayer().cuda()
     x = torch.randn(2, 8192, 4096, device="cuda", requires_grad=True)
-    context = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
+    context = functools.partial(create_selective_checkpoint_contexts, selective_policy())
 
     def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -54,6 +54,7 @@ PARTS: dict[str, Part] = {
     "streams": Part("streams", "part_streams", 120, 1, speed=True),
     "speed": Part("speed", "part_speed", 240, 0, speed=True),
     "overhead": Part("speed", "part_overhead", 120, 0, speed=True),
+    "forecast": Part("speed", "part_forecast", 120, 0, speed=True),
 }
 
 

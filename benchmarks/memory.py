@@ -2,13 +2,19 @@
 
     python benchmarks/memory.py                      # all four strategies, 2 ranks, prints a table
     python benchmarks/memory.py --preset 30m --steps 3
+    python benchmarks/memory.py --preset 10m --batch-size 4 --training-only    # issue 27's case (10.8M)
+    python benchmarks/memory.py --preset 10m --batch-size 4 --training-only --precision bf16-mixed
+    python benchmarks/memory.py --preset 10m --batch-size 4 --training-only --strategies fsdp \
+        --activation-checkpointing
 
 Each strategy runs as its own 2-rank job (started by the Trainer). After set-up, each rank resets its kernel
 peak-RSS counter (/proc/self/clear_refs), trains a few AdamW steps, and reports its peak resident memory, the
 engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. Beside them: the memory plan's
 total per rank (strategies/plan, computed here on the meta device) against the peak above the process's baseline:
 its resident memory once torch, gloo and the Trainer are up and torch._dynamo is imported (torch.optim imports it
-with the first optimizer: ~150 MiB of code in every training process), before the model is built. Then, checkpoints:
+with the first optimizer: ~150 MiB of code in every training process), before the model is built; the ratio is
+taken less the file pages read in meanwhile (RssFile: torch's kernels' code that the first step touches, ~20 MiB,
+not data the plan counts). With --training-only that is all; otherwise, checkpoints:
 - a full checkpoint (`save_checkpoint(path, full=True)`, one file written by rank 0 a batch at a time): how far
   each rank's resident memory rises, next to the file's size;
 - a checkpoint directory (DCP), saved synchronously and then asynchronously: how long training is stalled by the
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,12 +44,14 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from callbacks import Callback  # noqa: E402
-from examples.gpt import GPT, GPT_PRESETS, GPTModule, TextWindows  # noqa: E402
+from examples.gpt import GPT, GPT_PRESETS, GPTConfig, GPTModule, TextWindows  # noqa: E402
 from trainer import Trainer, seed_everything  # noqa: E402
 
 MiB = 2**20
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
-BATCH_SIZE = 2  # sequences of block_size tokens per rank
+BATCH_SIZE = 2  # sequences of block_size tokens per rank (default; --batch-size)
+# Issue 27's "new user" case: 10.8M parameters (10.6M outside the embeddings), 256 tokens a sequence.
+PRESETS = {**GPT_PRESETS, "10m": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384)}
 
 
 def theory_bytes(strategy: str, params: int, world_size: int) -> float:
@@ -70,42 +79,73 @@ class PeakMemory(Callback):
 
     def on_train_end(self, trainer, module) -> None:
         self.peak_rss = _rss_kib("VmHWM:") * 1024
+        self.file_rss = _rss_kib("RssFile:") * 1024
         self.report = trainer.strategy.memory_report()
 
 
-def _strategy(name: str):
+@dataclass(frozen=True)
+class Case:
+    """What one benchmark run trains: the model preset, tokens per rank, precision and fsdp's options."""
+
+    preset: str = "100m"
+    batch_size: int = BATCH_SIZE
+    precision: str = "32"
+    activation_checkpointing: bool = False  # fsdp: each Block recomputes its activations in backward
+    steps: int = 2
+    devices: int = 2
+
+    @property
+    def config(self) -> GPTConfig:
+        return PRESETS[self.preset]
+
+    def argv(self) -> list[str]:
+        return ["--preset", self.preset, "--batch-size", str(self.batch_size), "--precision", self.precision,
+                "--steps", str(self.steps), "--devices", str(self.devices)] + (
+                    ["--activation-checkpointing"] if self.activation_checkpointing else [])
+
+
+def _strategy(name: str, case: Case):
     if name != "fsdp":
         return name
     from examples.gpt import Block
     from strategies import FSDPStrategy
 
-    return FSDPStrategy(auto_wrap_policy={Block})
+    return FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing={Block} if case.activation_checkpointing
+                        else None)
 
 
-def _trainer(strategy: str, devices: int, steps: int, callbacks: list) -> Trainer:
-    return Trainer(strategy=_strategy(strategy), devices=devices, max_steps=steps, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, callbacks=callbacks)
+def _trainer(strategy: str, case: Case, callbacks: list) -> Trainer:
+    return Trainer(strategy=_strategy(strategy, case), devices=case.devices, max_steps=case.steps,
+                   precision=case.precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                   callbacks=callbacks)
 
 
-def run_one(strategy: str, preset: str, steps: int, devices: int) -> None:
+def _data(case: Case) -> TextWindows:
+    block = case.config.block_size
+    return TextWindows(torch.randint(0, 256, (block * 64 + 1,), dtype=torch.uint8), block)
+
+
+def run_one(strategy: str, case: Case, training_only: bool) -> None:
     seed_everything(0)
-    config = GPT_PRESETS[preset]
-    data = TextWindows(torch.randint(0, 256, (config.block_size * 64 + 1,), dtype=torch.uint8), config.block_size)
+    data = _data(case)
     peak = PeakMemory()
-    trainer = _trainer(strategy, devices, steps, [peak])
+    trainer = _trainer(strategy, case, [peak])
     importlib.import_module("torch._dynamo")  # what the first optimizer imports (torch.optim's add_param_group)
     baseline = _rss_kib("VmRSS:") * 1024  # torch, gloo, the Trainer and what a step imports; no model yet
-    trainer.fit(GPTModule(config, max_steps=steps), DataLoader(data, batch_size=BATCH_SIZE))
+    baseline_files = _rss_kib("RssFile:") * 1024
+    trainer.fit(GPTModule(case.config, max_steps=case.steps), DataLoader(data, batch_size=case.batch_size))
     row = {"strategy": strategy, "rank": trainer.global_rank, "peak_rss": peak.peak_rss, "start_rss": peak.start_rss,
-           "baseline_rss": baseline, "report": peak.report, "params": GPT.count_parameters(config),
-           **_full_save_rise(trainer)}
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = os.path.join(trainer.strategy.broadcast(tmp), "ckpt")
-        row.update(_save_stalls(trainer, directory))
-        del trainer, peak  # the model and optimizer of training go before the load is measured
-        gc.collect()
-        trainer = _load_rise(strategy, config, steps, devices, directory, data, row)
-        trainer.strategy.barrier()
+           "baseline_rss": baseline, "report": peak.report, "params": GPT.count_parameters(case.config),
+           "files_read_in": max(0, peak.file_rss - baseline_files)}
+    if not training_only:
+        row.update(_full_save_rise(trainer))
+        with tempfile.TemporaryDirectory() as tmp:
+            directory = os.path.join(trainer.strategy.broadcast(tmp), "ckpt")
+            row.update(_save_stalls(trainer, directory))
+            del trainer, peak  # the model and optimizer of training go before the load is measured
+            gc.collect()
+            trainer = _load_rise(strategy, case, directory, data, row)
+            trainer.strategy.barrier()
     rows = trainer.strategy.all_gather_object(row)
     if trainer.is_global_zero:
         print("RESULT " + json.dumps(rows), flush=True)
@@ -123,13 +163,14 @@ def _full_save_rise(trainer: Trainer) -> dict[str, int]:
     return {"save_rise": rise, "save_file": size}
 
 
-def memory_plan(preset: str, devices: int):
-    """The plan for the benchmark's set-up: the same module, batch and fsdp units (each Block)."""
+def memory_plan(case: Case):
+    """The plan for the benchmark's set-up: the same module, batch, precision and fsdp units (each Block)."""
     from examples.gpt import Block
     from strategies.plan import plan_memory
 
-    return plan_memory(GPTModule(GPT_PRESETS[preset]), world_size=devices, batch_size=BATCH_SIZE,
-                       wrap_policy={Block})
+    return plan_memory(GPTModule(case.config), world_size=case.devices, batch_size=case.batch_size,
+                       precision=case.precision, wrap_policy={Block},
+                       activation_checkpointing={Block} if case.activation_checkpointing else None)
 
 
 def _save_stalls(trainer: Trainer, directory: str) -> dict[str, float]:
@@ -169,36 +210,44 @@ class _ResetBeforeLoad(GPTModule):
         return result
 
 
-def _load_rise(strategy: str, config, steps: int, devices: int, directory: str, data, row: dict) -> Trainer:
+def _load_rise(strategy: str, case: Case, directory: str, data, row: dict) -> Trainer:
     """Load `directory` into a new model and optimizer (max_steps is the checkpoint's step: nothing is trained);
     adds the rise and the budget to `row`."""
     window = _LoadWindow()
-    trainer = _trainer(strategy, devices, steps, [window])
-    trainer.fit(_ResetBeforeLoad(config, max_steps=steps), DataLoader(data, batch_size=BATCH_SIZE), ckpt_path=directory)
+    trainer = _trainer(strategy, case, [window])
+    trainer.fit(_ResetBeforeLoad(case.config, max_steps=case.steps), DataLoader(data, batch_size=case.batch_size),
+                ckpt_path=directory)
     row.update(load_rise=window.rise, load_budget=window.budget)
     return trainer
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="100m", choices=sorted(GPT_PRESETS))
+    parser.add_argument("--preset", default="100m", choices=sorted(PRESETS))
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="sequences per rank")
+    parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed", "bf16-true"])
+    parser.add_argument("--activation-checkpointing", action="store_true", help="fsdp: recompute each Block")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--training-only", action="store_true", help="leave out the checkpoint measurements")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    case = Case(args.preset, args.batch_size, args.precision, args.activation_checkpointing, args.steps,
+                args.devices)
     if args.one:
-        run_one(args.one, args.preset, args.steps, args.devices)
+        run_one(args.one, case, args.training_only)
         return
-    plan = memory_plan(args.preset, args.devices)
+    plan = memory_plan(case)
     print(plan.table() + "\n")
     print(f"{'strategy':8} {'rank':>4} {'model-state theory':>18} {'engine report':>14} {'peak RSS in training':>21}"
-          f" {'RSS at start':>13} {'baseline':>9} {'plan total':>10} {'peak - baseline':>15} {'plan/measured':>13}"
+          f" {'RSS at start':>13} {'baseline':>9} {'plan total':>10} {'peak - baseline':>15} {'code read in':>12}"
+          f" {'plan/measured':>13}"
           f" {'full save: RSS rise':>19} {'file':>6}   (MiB; params, grads, optimizer state by the engine)")
     checkpoint_rows = []
     for strategy in args.strategies.split(","):
-        command = [sys.executable, os.path.abspath(__file__), "--one", strategy, "--preset", args.preset,
-                   "--steps", str(args.steps), "--devices", str(args.devices)]
+        command = [sys.executable, os.path.abspath(__file__), "--one", strategy, *case.argv()] + (
+            ["--training-only"] if args.training_only else [])
         # glibc raises its mmap threshold as large blocks are freed, after which freed multi-MiB buffers stay in
         # the heap and peak RSS counts memory the process no longer uses; a fixed threshold returns them.
         env = {"MALLOC_MMAP_THRESHOLD_": str(2**20), **os.environ, "OMP_NUM_THREADS": "1"}
@@ -212,13 +261,17 @@ def main() -> None:
             model_state = r["parameters"] + r["gradients"] + r["optimizer_state"]
             theory = theory_bytes(strategy, row["params"], args.devices)
             planned, measured = plan.strategies[strategy].total, row["peak_rss"] - row["baseline_rss"]
+            files = row["files_read_in"]
+            saved = (f" {row['save_rise'] / MiB:>19.0f} {row['save_file'] / MiB:>6.0f}" if not args.training_only
+                     else f" {'-':>19} {'-':>6}")
             print(f"{strategy:8} {row['rank']:>4} {theory / MiB:>18.0f} {model_state / MiB:>14.0f}"
                   f" {row['peak_rss'] / MiB:>21.0f} {row['start_rss'] / MiB:>13.0f}"
                   f" {row['baseline_rss'] / MiB:>9.0f} {planned / MiB:>10.0f} {measured / MiB:>15.0f}"
-                  f" {planned / measured:>13.3f}"
-                  f" {row['save_rise'] / MiB:>19.0f} {row['save_file'] / MiB:>6.0f}"
+                  f" {files / MiB:>12.0f} {planned / (measured - files):>13.3f}{saved}"
                   f"   ({r['parameters'] / MiB:.0f}, {r['gradients'] / MiB:.0f}, {r['optimizer_state'] / MiB:.0f})")
             checkpoint_rows.append(row)
+    if args.training_only:
+        return
     print(f"\n{'strategy':8} {'rank':>4} {'sync save: stall s':>18} {'RSS rise':>9} {'async save: stall s':>19}"
           f" {'complete s':>10} {'RSS rise':>9} {'load: RSS rise':>14} {'own shard + unit':>16} {'checkpoint':>10}"
           "   (MiB)")

@@ -211,3 +211,30 @@ def part_overhead(settings: Settings) -> None:
         median = statistics.median(results[name]["times"])
         report("speed", table="overhead", variant=name, step_ms=median * 1e3, units=layers + 1,
                us_per_unit=(median - plain) / (layers + 1) * 1e6)
+
+
+def part_forecast(settings: Settings) -> None:
+    """The plan's step-time forecast of the speed part's run (GPT-2 small shape, batch 8 x 1024, bf16 autocast,
+    one rank): on the shipped profile of this GPU, and calibrated here by --measure (rates, one step of the
+    model), to print beside the measured steps."""
+    from types import SimpleNamespace
+
+    from strategies.plan import plan_memory
+    from strategies.plan.hardware import default_hardware
+    from strategies.plan.measure import measure_hardware
+
+    if settings.tiny:
+        config, batch_size = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32), 2
+    else:
+        config, batch_size = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8
+    with torch.device("meta"):
+        model = GPT(config)
+    args = SimpleNamespace(world_size=1, nodes=1, batch_size=batch_size, seq_len=config.block_size,
+                           precision="bf16-mixed", save_hardware=None)
+    shipped = default_hardware()
+    measured = measure_hardware(model, args, shipped)
+    for profile in (shipped, measured):
+        plan = plan_memory(model, batch_size=batch_size, seq_len=config.block_size, precision="bf16-mixed",
+                           wrap_policy={Block}, hardware=profile)
+        steps = ", ".join(f"{name} {f.step_s * 1e3:.2f} ms (MFU {f.mfu:.1%})" for name, f in plan.forecasts.items())
+        report("note", text=f"forecast on {profile.name}: {steps}")

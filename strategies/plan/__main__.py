@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                    help="module classes whose activations are recomputed in backward (they keep only their inputs)")
     p.add_argument("--ac-mode", choices=AC_MODES, default="full", help="full: checkpointed modules recompute "
                    "everything (as the engine does); selective: time torchtitan's per-op policy (matmul outputs "
-                   "saved every other one, attention outputs saved); its memory is planned without checkpointing")
+                   "saved every other one, attention outputs saved), in memory and time")
     p.add_argument("--hardware", metavar="NAME|FILE", help=f"the step-time forecast's profile: one of "
                    f"{sorted(HARDWARE)} or a JSON file --save-hardware wrote (default: this machine's GPU kind, "
                    "else cpu)")

@@ -1,16 +1,25 @@
-"""Activation bytes: one training forward and backward on fake tensors (shapes and dtypes, no memory), counting the
-distinct storages autograd saves for backward (torch.autograd.graph.saved_tensors_hooks).
+"""Activation bytes: one training forward and backward on fake tensors (shapes and dtypes, no memory), counting
+- the distinct storages autograd saves for backward (torch.autograd.graph.saved_tensors_hooks): `saved`;
+- every storage alive at any moment, whatever holds it (LiveBytes sees each op's outputs and when they die): `live`,
+  whose peak adds to the saved tensors what exists only for a while: a gradient being formed while the input it
+  needs is still saved, the loss's and the logits' gradients, the output of an op before its input is freed.
+Parameters and buffers are model state, counted by model_state.py, and so are the parameters' gradients: each is
+dropped once accumulated (the strategies move it into a bucket or reduce it), so `live` counts it only while it
+is being formed.
 
 Fake tensors (torch's FakeTensorMode, as torch.compile traces with) rather than meta ones, because autocast acts on
 a device type: the fake tensors say "cpu", so bf16-mixed and 16-mixed cast as they would in training.
-A module chosen for activation checkpointing keeps only its inputs; backward recomputes one such module at a time,
-so the largest one's saved tensors come back on top of what is kept.
+A module chosen for activation checkpointing keeps only its inputs; its other saved tensors are let go in forward
+and, as torch.utils.checkpoint recomputes them, come back together at the first one backward reads, each freed
+once backward has used it; so the largest one's saved tensors come back on top of what is kept.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +30,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..sharding.hooks import cast_floating
 from ..sharding.units import NORM_LAYERS
+from .checkpointing import checkpoint_modules
 
 AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None, "16-true": None}
 TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the whole model in this dtype
@@ -43,15 +53,117 @@ class _Held:
         self.release()
 
 
+class LiveBytes(FakeTensorMode):
+    """A FakeTensorMode that also counts the bytes of the storages alive (outside `excluded`), and their peak: each
+    op's outputs are counted until the last tensor on their storage is freed. Counts only while `counting`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.excluded: set[int] = set()
+        self.counting = False
+        self.depth = 0
+        self.tensors: dict[int, int] = {}  # storage -> tensors alive on it
+        self.live = self.peak = 0
+        self.segment_peak = 0  # the peak since the last gradient was accumulated (see cut)
+        self.region_peak = 0  # the peak since a checkpointed module's forward began
+        self.segment_peaks: list[int] = []
+
+    def cut(self) -> None:
+        """A parameter's gradient was accumulated: the peak so far is that of the segment before it."""
+        self.segment_peaks.append(self.segment_peak)
+        self.segment_peak = self.live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # An op the mode has not seen before may run as a decomposition into other ops, dispatched here too;
+        # their tensors are the op's insides, not a kernel's allocations: only the outermost op's outputs count.
+        self.depth += 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.depth -= 1
+        if self.counting and self.depth == 0:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.track(t)
+        return out
+
+    def track(self, t: torch.Tensor) -> None:
+        key, nbytes = _storage(t)
+        if key in self.excluded:
+            return
+        if not self.tensors.get(key):
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            self.segment_peak = max(self.segment_peak, self.live)
+            self.region_peak = max(self.region_peak, self.live)
+        self.tensors[key] = self.tensors.get(key, 0) + 1
+        # a fake tensor's Python object lives as long as its TensorImpl, wherever that is held (autograd's graph)
+        weakref.finalize(t, self._release, self.tensors, key, nbytes)
+
+    def _release(self, pass_tensors: dict[int, int], key: int, nbytes: int) -> None:
+        if pass_tensors is not self.tensors:
+            return  # a tensor of an earlier pass (a batch form that failed), forgotten when the next one began
+        self.tensors[key] -= 1
+        if not self.tensors[key]:
+            del self.tensors[key]
+            self.live -= nbytes
+
+
+class _Region:
+    """The tensors one checkpointed module saved, by storage: let go in forward, all recomputed at the first one
+    backward reads."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}  # key -> nbytes
+        self.originals: list[Any] = []  # the saved storages' objects: no other storage takes their key meanwhile
+        self.handles: dict[int, int] = {}  # key -> what autograd still holds on it
+        self.recomputed: dict[int, torch.Tensor] | None = None
+        self.forward_rise = 0  # the most the module's forward held at once above what it was given
+
+    def storage(self, key: int) -> torch.Tensor:
+        if self.recomputed is None:
+            # the recomputing forward holds, at its peak, as much as the first one did
+            self.recomputed = {k: torch.empty(n, dtype=torch.uint8) for k, n in self.storages.items()}
+            passing = self.forward_rise - sum(self.storages.values())
+            if passing > 0:
+                torch.empty(passing, dtype=torch.uint8)  # made and freed: the recomputation's other tensors
+        return self.recomputed[key]
+
+    def release(self, key: int) -> None:
+        self.handles[key] -= 1
+        if not self.handles[key] and self.recomputed is not None:  # backward is done with it
+            self.recomputed.pop(key, None)
+
+
+class _Recomputed:
+    """What autograd holds for a tensor saved inside a checkpointed module: its shape, not its storage."""
+
+    __slots__ = ("region", "key", "dtype", "size", "stride", "offset")
+
+    def __init__(self, region: _Region, t: torch.Tensor) -> None:
+        self.region, self.key = region, _storage(t)[0]
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.shape, t.stride(), t.storage_offset()
+        region.handles[self.key] = region.handles.get(self.key, 0) + 1
+
+    def tensor(self) -> torch.Tensor:
+        base = self.region.storage(self.key)
+        return torch.empty(0, dtype=self.dtype).set_(base.untyped_storage(), self.offset, self.size, self.stride)
+
+    def __del__(self) -> None:
+        self.region.release(self.key)
+
+
 class SavedBytes:
     """Live bytes of the storages autograd holds, counted once each however many ops save them, and their peak."""
 
-    def __init__(self, excluded: set[int]) -> None:
+    def __init__(self, excluded: set[int], mode: LiveBytes | None = None) -> None:
         self.excluded = excluded  # parameters and buffers: model state, not activations
+        self.mode = mode  # whose live bytes a checkpointed module's forward raises
+        self.region_start = 0
         self.counts: dict[int, int] = {}
         self.live = self.peak = 0
         self.depth = 0  # > 0 inside a checkpointed module
-        self.region: dict[int, int] = {}  # storages saved inside the current checkpointed module
+        self.region = _Region()  # storages saved inside the current checkpointed module
         self.largest_region = 0
         self.kept: list[_Held] = []  # inputs of checkpointed modules
 
@@ -75,24 +187,33 @@ class SavedBytes:
         if self.depth == 0:
             return self.hold(t)
         key, nbytes = _storage(t)
-        if key not in self.excluded and not self.counts.get(key):
-            self.region[key] = nbytes  # recomputed in backward, not kept
-        return t
+        if key in self.excluded or self.counts.get(key):
+            return t  # model state, or a tensor kept anyway (the module's input)
+        if key not in self.region.storages:
+            self.region.storages[key] = nbytes  # recomputed in backward, not kept
+            self.region.originals.append(t.untyped_storage())
+        return _Recomputed(self.region, t)
 
     @staticmethod
     def unpack(held: Any) -> torch.Tensor:
+        if isinstance(held, _Recomputed):
+            return held.tensor()
         return held.tensor if isinstance(held, _Held) else held
 
     def enter_checkpointed(self, _module: nn.Module, args: tuple) -> None:
         if self.depth == 0:
             self.kept += [self.hold(a) for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
-            self.region = {}
+            self.region = _Region()
+            if self.mode is not None:
+                self.region_start = self.mode.region_peak = self.mode.live
         self.depth += 1
 
     def leave_checkpointed(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         self.depth -= 1
         if self.depth == 0:
-            self.largest_region = max(self.largest_region, sum(self.region.values()))
+            self.largest_region = max(self.largest_region, sum(self.region.storages.values()))
+            if self.mode is not None:
+                self.region.forward_rise = self.mode.region_peak - self.region_start
 
 
 def to_fake(model: nn.Module, mode: FakeTensorMode, param_dtype: torch.dtype | None) -> set[int]:
@@ -181,6 +302,25 @@ def training_loss(model: nn.Module, batch: Any, targets: Any) -> torch.Tensor:
     return sum(t.float().mean() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
+@dataclass(frozen=True)
+class StepActivations:
+    """Peak bytes of one training forward and backward beside the model state: what autograd saves (`saved`), and
+    everything alive (`live`: saved tensors, gradients being formed, the loss's and logits' gradients, ...)."""
+
+    saved: int
+    live: int
+    # The live peak between gradients: segment_peaks[i] is the peak before the parameter gradient_order[i] had its
+    # gradient accumulated (and after the one before), the last entry the peak after the last one. Strategies
+    # that hold gradients per unit add what they hold at each moment (model_state.py).
+    segment_peaks: tuple[int, ...] = ()
+    gradient_order: tuple[str, ...] = ()
+
+    @property
+    def temporaries(self) -> int:
+        """What the live peak holds beyond the saved tensors' peak."""
+        return max(0, self.live - self.saved)
+
+
 def activation_bytes(
     model: nn.Module,
     batch_size: int,
@@ -192,15 +332,35 @@ def activation_bytes(
 ) -> int:
     """Peak bytes autograd holds for backward in one training step of `model` (whose parameters are swapped for
     fake tensors: pass a copy). `checkpointed` is an activation-checkpointing policy (module, name) -> bool."""
-    mode = FakeTensorMode()
+    return step_activations(model, batch_size, seq_len, precision, param_dtype, checkpointed, sample).saved
+
+
+def step_activations(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int | None = None,
+    precision: str = "32",
+    param_dtype: torch.dtype | None = None,
+    checkpointed: Callable[[nn.Module, str], bool] | None = None,
+    sample: Any = None,
+    selective: bool = False,
+) -> StepActivations:
+    """activation_bytes' pass, with the peak of everything alive in it as well. `selective`: the checkpointed
+    modules run under torch.utils.checkpoint with torchtitan's per-op policy (checkpointing.py), whose saved
+    outputs count as alive."""
+    if selective and checkpointed is not None:
+        checkpoint_modules(model, checkpointed, "selective")
+        checkpointed = None
+    mode = LiveBytes()
     excluded = to_fake(model, mode, param_dtype)
+    mode.excluded = excluded
     model.train()
     with mode:
         candidates = example_batches(model, batch_size, seq_len, sample)
     failures = []
     for batch, targets in candidates:
         try:
-            return _saved_bytes(model, mode, excluded, batch, targets, precision, param_dtype, checkpointed)
+            return _step_bytes(model, mode, excluded, batch, targets, precision, param_dtype, checkpointed)
         except (TypeError, ValueError, IndexError, KeyError, RuntimeError) as error:
             if len(candidates) == 1:
                 raise
@@ -212,17 +372,41 @@ def _shape_of(batch: Any) -> str:
     return str(tree_map(lambda v: f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else v, batch))
 
 
-def _saved_bytes(model: nn.Module, mode: FakeTensorMode, excluded: set[int], batch: Any, targets: Any,
-                 precision: str, param_dtype: torch.dtype | None, checkpointed: Any) -> int:
-    saved = SavedBytes(excluded)
+def _drop_gradients(model: nn.Module, mode: LiveBytes, order: list[str]) -> list[Any]:
+    """Each parameter's gradient is let go once accumulated: the strategies hold gradients in their own buffers
+    (model_state.py counts them), so here a gradient is alive only while it is being formed. Records the order
+    in which the gradients come, by parameter name."""
+    names = {id(p): name for name, p in model.named_parameters()}
+
+    def drop(p: torch.Tensor) -> None:
+        p.grad = None
+        mode.cut()
+        order.append(names[id(p)])
+
+    return [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
+
+
+def _step_bytes(model: nn.Module, mode: LiveBytes, excluded: set[int], batch: Any, targets: Any,
+                precision: str, param_dtype: torch.dtype | None, checkpointed: Any) -> StepActivations:
+    saved = SavedBytes(excluded, mode)
+    mode.live = mode.peak = mode.segment_peak = 0
+    mode.tensors = {}
+    mode.segment_peaks.clear()
+    order: list[str] = []
     with ExitStack() as stack:
         handles = _norms_in_full_precision(model) if param_dtype is not None else []
+        handles += _drop_gradients(model, mode, order)
         for name, module in model.named_modules():
             if name and checkpointed is not None and checkpointed(module, name):
                 handles.append(module.register_forward_pre_hook(saved.enter_checkpointed))
                 handles.append(module.register_forward_hook(saved.leave_checkpointed))
         stack.callback(lambda: [h.remove() for h in handles])
         stack.enter_context(mode)
+        mode.counting = True
+        stack.callback(setattr, mode, "counting", False)
+        for t in tree_leaves(batch):  # the batch is alive through the step
+            if isinstance(t, torch.Tensor):
+                mode.track(t)
         autocast = AUTOCAST[precision]
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             with torch.autocast("cpu", dtype=autocast) if autocast else nullcontext():
@@ -230,4 +414,5 @@ def _saved_bytes(model: nn.Module, mode: FakeTensorMode, excluded: set[int], bat
             at_backward = saved.live
             loss.backward()
         saved.kept.clear()
-    return max(saved.peak, at_backward + saved.largest_region)
+    segments = (*mode.segment_peaks, mode.segment_peak)
+    return StepActivations(max(saved.peak, at_backward + saved.largest_region), mode.peak, segments, tuple(order))

@@ -15,7 +15,6 @@ one, attention outputs saved, the rest recomputed).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -25,23 +24,18 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
 from .activations import AUTOCAST, _norms_in_full_precision, example_batches, to_fake, training_loss
+from .checkpointing import AC_MODES, ATTENTION_FORWARD, checkpoint_modules
 from .hardware import Hardware
 
-AC_MODES = ("full", "selective")
 _aten = torch.ops.aten
-ATTENTION_FORWARD = {op for op in (getattr(_aten, name, None) for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")) if op is not None}
 ATTENTION_BACKWARD = {op for op in (getattr(_aten, name, None) for name in (
     "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward"))
     if op is not None}
 NO_DATA_MOVED = {_aten._unsafe_view, _aten.detach, _aten.alias, _aten.lift_fresh}  # views in all but name
-SAVED_BY_SELECTIVE = {_aten.mm, _aten.addmm, *ATTENTION_FORWARD}  # torchtitan's op policy, mm every other one
 
 
 @dataclass
@@ -139,37 +133,6 @@ class OpClock(TorchDispatchMode):
         self.owners.pop()
 
 
-def _selective_policy() -> Callable[..., CheckpointPolicy]:
-    matmuls = {"count": 0}
-
-    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if func._overloadpacket in (_aten.mm, _aten.addmm):
-            matmuls["count"] += 1
-            if matmuls["count"] % 2 == 0:  # every second matmul is recomputed, as in torchtitan
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        if func._overloadpacket in SAVED_BY_SELECTIVE:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def _checkpoint_modules(model: nn.Module, checkpointed: Callable[[nn.Module, str], bool] | None,
-                        mode: str) -> None:
-    """Wrap the forward of each module the policy picks in torch.utils.checkpoint (not nested)."""
-    if checkpointed is None:
-        return
-    picked: list[str] = []
-    for name, module in model.named_modules():
-        if not name or not checkpointed(module, name) or any(name.startswith(p + ".") for p in picked):
-            continue
-        picked.append(name)
-        context = (functools.partial(create_selective_checkpoint_contexts, _selective_policy())
-                   if mode == "selective" else None)
-        extra = {"context_fn": context} if context is not None else {}
-        module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False, **extra)
-
-
 def compute_cost(
     model: nn.Module,
     hardware: Hardware,
@@ -188,7 +151,7 @@ def compute_cost(
     mode = FakeTensorMode()
     to_fake(model, mode, param_dtype)
     model.train()
-    _checkpoint_modules(model, checkpointed, checkpoint_mode)
+    checkpoint_modules(model, checkpointed, checkpoint_mode)
     with mode:
         candidates = example_batches(model, batch_size, seq_len, sample)
     for i, (batch, targets) in enumerate(candidates):

@@ -165,9 +165,9 @@ def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], h
     ready: dict[str, float] = {} if "" in by_name else {"": 0.0}  # no root unit: nothing to gather for it
     for phase, segments in (("forward", forward), ("backward", backward)):
         sequence = order if phase == "forward" else [u for u in reversed(order) if u != ""]
-        if phase == "backward":
-            ready = {"": ready.get("", 0.0)}  # the root stays gathered; the others were resharded
-        if sequence:
+        if phase == "backward":  # the root and the last unit of forward stay gathered; the others were resharded
+            ready = {name: ready[name] for name in ("", order[-1]) if name in ready}
+        if sequence and sequence[0] not in ready:
             ready[sequence[0]] = line.issue("all_gather", gather_bytes(by_name[sequence[0]]), shard)
         last_segment = {u: i for i, (u, _) in enumerate(segments)}
         started: set[str] = set()

@@ -17,6 +17,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from .activations import AUTOCAST
 from .hardware import Hardware, Link, default_hardware
 
 SWEEP_BYTES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB
@@ -110,9 +112,10 @@ def fit_link(samples: list[tuple[str, int, float]], ranks: int) -> Link:
     return Link(bandwidth=1 / max(seconds_per_byte, 1e-15), latency=max(latency, 0.0))
 
 
-def _one_step_seconds(model: nn.Module, batch_size: int, seq_len: int | None, device: torch.device) -> float | None:
-    """A real AdamW step of the model (tokens in, next-token loss) on this device; None where it is no token
-    model or does not fit."""
+def _one_step_seconds(model: nn.Module, batch_size: int, seq_len: int | None, device: torch.device,
+                      precision: str = "32") -> float | None:
+    """A real AdamW step of the model (tokens in, next-token loss, under the precision's autocast) on this device;
+    None where it is no token model or does not fit."""
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None or seq_len is None:
         return None
@@ -123,8 +126,11 @@ def _one_step_seconds(model: nn.Module, batch_size: int, seq_len: int | None, de
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tokens = torch.randint(embedding.num_embeddings, (batch_size, seq_len), device=device)
 
+        autocast = AUTOCAST.get(precision)
+
         def step() -> None:
-            logits = model(tokens)
+            with torch.autocast(device.type, dtype=autocast) if autocast else nullcontext():
+                logits = model(tokens)
             F.cross_entropy(logits.flatten(0, -2).float(), tokens.flatten()).backward()
             opt.step()
             opt.zero_grad()
@@ -179,12 +185,13 @@ def _calibrated(profile: Hardware, model: nn.Module, args: Any, device: torch.de
     """Scale every rate so that the forecast of one step at world size 1 equals a measured step of the model."""
     from .planner import meta_copy, plan_memory
 
-    measured = _one_step_seconds(meta_copy(model), args.batch_size, args.seq_len, device)
+    precision = getattr(args, "precision", "32")
+    measured = _one_step_seconds(meta_copy(model), args.batch_size, args.seq_len, device, precision)
     if measured is None:
         print("one step of the model: not measured (not a token model, or it does not fit); micro-benchmarks only")
         return profile
     forecast = plan_memory(model, world_size=1, batch_size=args.batch_size, seq_len=args.seq_len,
-                           hardware=profile).forecasts["ddp"].step_s
+                           precision=precision, hardware=profile).forecasts["ddp"].step_s
     scale = measured / forecast
     print(f"one step of the model: measured {measured * 1e3:,.1f} ms, micro-benchmarks forecast "
           f"{forecast * 1e3:,.1f} ms: every rate scaled by {1 / scale:.2f}", flush=True)

@@ -34,6 +34,7 @@ from ..sharding import ShardingSpec
 from ..sharding.layout import FlatLayout
 from ..sharding.units import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
 from ..wrap import resolve_wrap_policy
+from .activations import StepActivations
 from .report import StrategyMemory
 
 # State tensors the size of the parameter that each optimizer keeps (scalars such as Adam's step aside).
@@ -49,6 +50,11 @@ OPTIMIZER_STATES: dict[str, int] = {
     "rmsprop": 1,  # square_avg (one more with momentum, one more if centered)
     "sgd": 0,
 }
+# torch's optimizers without foreach step one tensor at a time: Adam's `exp_avg_sq.sqrt() / bias_correction2_sqrt`
+# has two tensors of its size alive at once. With foreach (torch's default for CUDA tensors), `_foreach_sqrt` makes
+# one tensor the size of every state tensor of a parameter group (per device and dtype) before it is used.
+SINGLE_TENSOR_TEMPORARIES = 2
+FOREACH_TEMPORARIES = 1
 PREFETCHED_UNITS = 2  # fsdp: the unit computing and the next one, gathered ahead
 UNREDUCED_BUCKETS = 2  # zero2: the bucket being filled and the one whose reduce-scatter is in flight
 
@@ -77,6 +83,7 @@ class PlannedUnit:
     trainable: tuple[bool, ...]
     dtype: torch.dtype  # of the master weights: the parameters' own
     compute_dtype: torch.dtype  # of the gathered parameters and their gradients
+    param_names: tuple[str, ...] = ()
 
     @property
     def has_trainable(self) -> bool:
@@ -111,7 +118,7 @@ def plan_units(
             compute = dtype if param_dtype is None or name in norm_units else param_dtype
             trainable = tuple(p.requires_grad for _, p in params)
             layout = FlatLayout([p.shape for _, p in params], world_size, list(trainable))
-            units.append(PlannedUnit(name, layout, trainable, dtype, compute))
+            units.append(PlannedUnit(name, layout, trainable, dtype, compute, tuple(n for n, _ in params)))
     return units
 
 
@@ -137,22 +144,82 @@ def _unit_bytes(unit: PlannedUnit, spec: ShardingSpec, rank: int, states: int,
     return layout.padded_total * unit.compute_dtype.itemsize, gradients, optimizer
 
 
-def units_in_flight(units: list[PlannedUnit], spec: ShardingSpec) -> int:
+def units_in_flight(units: list[PlannedUnit], spec: ShardingSpec, step: StepActivations | None = None) -> int:
     """Unsharded buffers that exist only during the step. fsdp: the root's gathered parameters (held for the whole
-    step), the two largest other units' (one computing, one prefetched) and one unit's unreduced gradients
-    (autograd's .grad until the reduce-scatter sends them). zero2: the two largest buckets' unreduced
-    gradients. ddp and
-    zero1: none (gradients go straight into their buckets)."""
+    step), the two largest other units' (one computing, one prefetched), and the unreduced gradients. zero2: the
+    unreduced gradients. ddp and zero1: none (gradients go straight into their buckets). Unreduced gradients
+    (autograd's .grad until the reduce-scatter sends them): with the pass's timeline (`step`), what they add to
+    its peak (gradients_in_flight); without it, one unit's (fsdp) or the two largest buckets' (zero2)."""
     full = {id(u): u.layout.padded_total * u.compute_dtype.itemsize for u in units}
-    size = lambda u: u.layout.trainable_shard_size * u.layout.world_size * u.compute_dtype.itemsize  # noqa: E731
-    grads = [size(u) for u in units if u.has_trainable]  # autograd's .grad of the trainable parameters
+    grads = [_unreduced_bytes(u) for u in units if u.has_trainable]  # autograd's .grad of the trainable parameters
+    if step is not None and step.gradient_order and spec.shard_gradients:
+        unreduced = gradients_in_flight(units, step)
+    else:
+        unreduced = max(grads, default=0) if spec.shard_parameters else sum(sorted(grads)[-UNREDUCED_BUCKETS:])
     if spec.shard_parameters:
         root = sum(full[id(u)] for u in units if u.name == "")
         others = sorted((full[id(u)] for u in units if u.name != ""), reverse=True)[:PREFETCHED_UNITS]
-        return root + sum(others) + max(grads, default=0)
+        return root + sum(others) + unreduced
     if spec.shard_gradients:
-        return sum(sorted(grads)[-UNREDUCED_BUCKETS:])
+        return unreduced
     return 0
+
+
+def _unreduced_bytes(unit: PlannedUnit) -> int:
+    return unit.layout.trainable_shard_size * unit.layout.world_size * unit.compute_dtype.itemsize
+
+
+def gradients_in_flight(units: list[PlannedUnit], step: StepActivations) -> int:
+    """What sharded gradients add to the peak of forward and backward, replayed on the pass's timeline as the
+    engine reduces them: a unit's reduce-scatter starts once all its gradients have come and every unit before
+    it in the engine's order has started; when one starts, the one before it finishes (REDUCTIONS_IN_FLIGHT = 1),
+    freeing its full-size gradients and keeping this rank's shard. At each moment the unreduced gradients and
+    the shards so far add to what the pass holds then; the result is the new peak less the pass's own."""
+    order = [u for u in units if u.has_trainable]
+    unit_of, grad_bytes = {}, {}
+    for index, unit in enumerate(order):
+        for name, numel, trainable in zip(unit.param_names, unit.layout.numels, unit.trainable):
+            if trainable:
+                unit_of[name], grad_bytes[name] = index, numel * unit.compute_dtype.itemsize
+    remaining = [sum(u.trainable) for u in order]
+    unreduced = [0] * len(order)
+    shard = [u.layout.trainable_shard_size * u.dtype.itemsize for u in order]
+    finished: set[int] = set()
+    launched = 0
+    peak = step.segment_peaks[0]
+    for name, after in zip(step.gradient_order, step.segment_peaks[1:]):
+        if name not in unit_of:
+            continue
+        index = unit_of[name]
+        unreduced[index] += grad_bytes[name]
+        remaining[index] -= 1
+        while launched < len(order) and remaining[launched] <= 0:
+            launched += 1
+            if launched > 1:
+                finished.add(launched - 2)
+        held = sum(shard[i] if i in finished else unreduced[i] for i in range(len(order)))
+        peak = max(peak, after + held)
+    return max(0, peak - max(step.segment_peaks))
+
+
+def optimizer_step_temporaries(units: list[PlannedUnit], spec: ShardingSpec, world_size: int, states: int,
+                                foreach: bool) -> int:
+    """Bytes the optimizer's step makes and frees on the rank with the most: with foreach, one tensor the size of
+    all it steps (the plan does not know the parameter groups: one group, the most it can be); without, two
+    of the largest tensor it steps (a parameter, or this rank's piece of one under sharded optimizer state)."""
+    if states == 0:
+        return 0
+    sizes = []  # (elements, itemsize) of each tensor the optimizer steps, on the rank with the most
+    for unit in units:
+        if spec.shard_optimizer_state:
+            by_rank = (list(unit.layout.pieces(r)) for r in range(world_size))
+            pieces = max(by_rank, key=lambda ps: sum(p.numel for p in ps))
+            sizes += [(p.numel, unit.dtype.itemsize) for p in pieces if unit.trainable[p.param_index]]
+        else:
+            sizes += [(n, unit.dtype.itemsize) for n, t in zip(unit.layout.numels, unit.trainable) if t]
+    if foreach:
+        return FOREACH_TEMPORARIES * sum(n * size for n, size in sizes)
+    return SINGLE_TENSOR_TEMPORARIES * max((n * size for n, size in sizes), default=0)
 
 
 def model_state_bytes(
@@ -164,10 +231,14 @@ def model_state_bytes(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     optimizer: str = "adamw",
+    foreach: bool | None = None,
+    step: StepActivations | None = None,
 ) -> StrategyMemory:
     """Bytes on `rank` (default: the rank that holds the most) with state sharded over `world_size` ranks
     (a hybrid layout would pass its shard group's size). Reads only shapes, dtypes and requires_grad: `model`
-    may live on the meta device. `activations` is left 0."""
+    may live on the meta device. `activations` and `temporaries` are left 0. `foreach`: whether the optimizer
+    steps with torch's foreach kernels (default: as torch chooses here, for CUDA tensors). `step`: the timeline
+    of the pass activations.py makes, by which sharded gradients are counted as the engine holds them."""
     states = check_optimizer(optimizer)
     if param_dtype is not None and param_dtype == next(model.parameters()).dtype:
         param_dtype = None  # nothing to cast: no separate master copy
@@ -175,5 +246,7 @@ def model_state_bytes(
     ranks = range(world_size) if rank is None else [rank]
     per_rank = [[sum(b) for b in zip(*(_unit_bytes(u, spec, r, states, reduce_dtype) for u in units))] for r in ranks]
     parameters, gradients, optimizer_bytes = max(per_rank, key=sum)
-    return StrategyMemory(parameters, gradients, optimizer_bytes, units_in_flight(units, spec), 0,
-                          gradients_between_steps=not spec.shard_gradients)
+    foreach = torch.cuda.is_available() if foreach is None else foreach
+    return StrategyMemory(parameters, gradients, optimizer_bytes, units_in_flight(units, spec, step), 0,
+                          gradients_between_steps=not spec.shard_gradients,
+                          optimizer_step=optimizer_step_temporaries(units, spec, world_size, states, foreach))

@@ -13,7 +13,7 @@ from torch import nn
 from ..registry import STRATEGIES
 from ..sharding.units import gradient_buckets
 from ..wrap import resolve_wrap_policy
-from .activations import AUTOCAST, TRUE_DTYPES, activation_bytes
+from .activations import AUTOCAST, TRUE_DTYPES, step_activations
 from .compute import AC_MODES, compute_cost
 from .forecast import StepForecast, Topology, forecast_step
 from .hardware import Hardware, default_hardware, get_hardware
@@ -44,6 +44,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
         with torch.device("meta"):
             clone.configure_model()
     return clone
+
+
+def _planning_copy(model: nn.Module, precision: str) -> nn.Module:
+    """A meta copy in the dtype the precision trains it in (one for the layout, one the fake pass swaps)."""
+    meta = meta_copy(model)
+    if precision in TRUE_DTYPES:
+        meta.to(TRUE_DTYPES[precision])
+    return meta
 
 
 def _check(world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str) -> None:
@@ -99,6 +107,7 @@ def plan_memory(
     device_memory: int | str | None = None,
     sample: Any = None,
     hybrid_shard: int | None = None,
+    foreach: bool | None = None,
     hardware: str | Hardware | None = None,
     checkpoint_mode: str = "full",
     schedule: str = "engine",
@@ -110,12 +119,13 @@ def plan_memory(
     configure_optimizers returns, else adamw); `wrap_policy` and `activation_checkpointing` take FSDPStrategy's
     forms (no wrap policy: the whole model is one fsdp unit); `sample` is one sample of the training data, whose
     shapes make the batch when the module has no example_input. `hybrid_shard` (default: the ranks of one node
-    when there are several nodes) adds hsdp: fsdp sharded within groups of that many ranks.
+    when there are several nodes) adds hsdp: fsdp sharded within groups of that many ranks. `foreach`: whether
+    the optimizer steps with torch's foreach kernels (default: as torch chooses for this machine's device).
 
     Each strategy also gets a step-time forecast on `hardware` (a HARDWARE name, a Hardware, or a file --measure
     wrote; default: this machine's GPU kind, else "cpu"): `plan.forecasts[name]`. `checkpoint_mode` "selective"
-    times activation checkpointing as torchtitan's per-op policy (memory is then planned without checkpointing,
-    an upper bound). `schedule` "fully_shard" times torch's FSDP2 schedule instead of this engine's (for
+    runs activation checkpointing with torchtitan's per-op policy (torch.utils.checkpoint's selective contexts),
+    for memory and time. `schedule` "fully_shard" times torch's FSDP2 schedule instead of this engine's (for
     comparing the forecast with published fully_shard runs): reductions on a stream of their own, normalization
     layers inside their block's unit. `forecast=False` plans memory only."""
     _check(world_size, nodes, batch_size, seq_len, precision)
@@ -127,11 +137,9 @@ def plan_memory(
     group = hybrid_shard if hybrid_shard is not None else (world_size // nodes if nodes > 1 else None)
     if group is not None and (not isinstance(group, int) or group < 1 or world_size % group):
         raise ValueError(f"hybrid_shard={group!r} must divide world_size={world_size}")
-    meta = meta_copy(model)
+    meta = _planning_copy(model, precision)
     if not any(True for _ in meta.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters to plan")
-    if precision in TRUE_DTYPES:
-        meta.to(TRUE_DTYPES[precision])
     optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
     check_optimizer(optimizer)
     seq_len = seq_len if seq_len is not None else default_seq_len(meta)
@@ -140,15 +148,16 @@ def plan_memory(
     hybrid = {name for name, s in strategies.items() if getattr(s, "hybrid_shard", None) is not None}
     shard_over = {name: group if name in hybrid else world_size for name in strategies
                   if group is not None or name not in hybrid}
-    rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
-                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer)
-            for name, ranks in shard_over.items()}
     checkpointed = resolve_wrap_policy(activation_checkpointing)
+    step = step_activations(_planning_copy(model, precision), batch_size, seq_len, precision, param_dtype,
+                            checkpointed, sample, selective=checkpoint_mode == "selective")
+    rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
+                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
+                                    foreach=foreach, step=step)
+            for name, ranks in shard_over.items()}
     forecasts = {} if not forecast else _forecasts(
         model, meta, strategies, shard_over, hardware, world_size, nodes, batch_size, seq_len, precision,
         param_dtype, reduce_dtype, optimizer, wrap_policy, checkpointed, checkpoint_mode, sample, schedule)
-    memory_checkpointed = checkpointed if checkpoint_mode == "full" else None
-    activations = activation_bytes(meta, batch_size, seq_len, precision, param_dtype, memory_checkpointed, sample)
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
@@ -159,14 +168,15 @@ def plan_memory(
         "fsdp units: " + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
         + (f"; hsdp shards within groups of {group} ranks" if group is not None else "")
         + ("; activation checkpointing by its policy" if activation_checkpointing is not None else "")
-        + (" (selective: timed per op, memory planned without it)" if checkpoint_mode == "selective" else ""),
+        + (" (selective: torchtitan's per-op policy)" if checkpoint_mode == "selective" else ""),
     ]
     if forecast:
         description.append(f"step time on {hardware.name}, {world_size // nodes} rank(s) per node (what the profile "
                            "assumes: strategies/plan/hardware.py)")
     if budget is not None:
         description.append(f"device memory per rank: {format_bytes(budget)}")
-    return MemoryPlan({name: replace(row, activations=activations) for name, row in rows.items()},
+    return MemoryPlan({name: replace(row, activations=step.saved, temporaries=step.temporaries)
+                       for name, row in rows.items()},
                       world_size, nodes, budget, description, forecasts)
 
 
@@ -176,9 +186,7 @@ def _forecasts(model: nn.Module, meta: nn.Module, strategies: dict[str, Any], sh
                wrap_policy: Any, checkpointed: Any, checkpoint_mode: str, sample: Any,
                schedule: str) -> dict[str, StepForecast]:
     """Each strategy's step on `hardware`, from one timed fake step of a fresh meta copy of the model."""
-    timed = meta_copy(model)
-    if precision in TRUE_DTYPES:
-        timed.to(TRUE_DTYPES[precision])
+    timed = _planning_copy(model, precision)
     cost = compute_cost(timed, hardware, batch_size, seq_len, precision, param_dtype, checkpointed,
                         checkpoint_mode, sample)
     owners = [[name.rpartition(".")[0] for name, _ in bucket] for bucket in gradient_buckets(meta)]

@@ -8,7 +8,7 @@ from .forecast import FORECAST_KEYS, StepForecast
 from .sizes import format_bytes
 
 STRATEGY_ORDER = ("ddp", "zero1", "zero2", "hsdp", "fsdp")  # least communication first (hsdp: when planned)
-KINDS = ("parameters", "gradients", "optimizer", "units_in_flight", "activations")
+KINDS = ("parameters", "gradients", "optimizer", "units_in_flight", "activations", "temporaries", "optimizer_step")
 
 
 @dataclass(frozen=True)
@@ -21,20 +21,33 @@ class StrategyMemory:
     units_in_flight: int  # unsharded buffers that come and go during forward and backward
     activations: int  # what autograd saves for backward
     gradients_between_steps: bool = True  # False for sharded gradients: made in backward, dropped by zero_grad
+    temporaries: int = 0  # alive at forward and backward's peak beside the saved activations (gradients being
+    # formed, the logits' gradient): the peak of everything alive in the pass minus the saved tensors' peak
+    optimizer_step: int = 0  # made and freed by the optimizer's step (foreach: one tensor the size of its state)
 
     @property
     def model_state(self) -> int:
         return self.parameters + self.gradients + self.optimizer
 
     @property
-    def total(self) -> int:
-        """The peak. Replicated gradient buckets stay between steps, so they add to what forward and backward
-        hold (activations, units in flight). Sharded gradients (zero2, fsdp) grow during backward as activations
-        are freed and are dropped by zero_grad: only the larger of the two counts."""
-        transient = self.units_in_flight + self.activations
+    def backward_peak(self) -> int:
+        """The peak of forward and backward. Replicated gradient buckets stay between steps, so they add to what
+        forward and backward hold (activations, temporaries, units in flight). Sharded gradients (zero2, fsdp)
+        grow during backward as activations are freed and are dropped by zero_grad: only the larger counts."""
+        transient = self.units_in_flight + self.activations + self.temporaries
         if self.gradients_between_steps:
             return self.model_state + transient
         return self.parameters + self.optimizer + max(self.gradients, transient)
+
+    @property
+    def step_peak(self) -> int:
+        """The peak of the optimizer's step: every gradient, the state and the step's temporaries."""
+        return self.model_state + self.optimizer_step
+
+    @property
+    def total(self) -> int:
+        """The peak of a training step: forward and backward's, or the optimizer step's."""
+        return max(self.backward_peak, self.step_peak)
 
 
 @dataclass
@@ -100,7 +113,8 @@ class MemoryPlan:
         return [_seconds(f.step_s), f"{f.tokens_per_s_per_rank:,.0f}", f"{f.mfu:.1%}", _seconds(f.exposed_comm_s)]
 
     def table(self) -> str:
-        headers = ("strategy", "parameters", "gradients", "optimizer", "units in flight", "activations", "total",
+        headers = ("strategy", "parameters", "gradients", "optimizer", "units in flight", "activations",
+                   "temporaries", "optimizer step", "total",
                    *(("step", "tokens/s/rank", "MFU", "exposed comm") if self.forecasts else ()))
         rows = [[name, *(format_bytes(getattr(row, kind)) for kind in KINDS), format_bytes(row.total),
                  *self._forecast_cells(name)]
