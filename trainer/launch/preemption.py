@@ -2,9 +2,10 @@
 
 During fit a SIGTERM does not end the process at once: the handler only notes it (and, in the process that started
 the local ranks, passes it on to them). The ranks tell each other in the all-reduce after each training_step
-(agreement.py), so they stop together even when one rank alone got the signal: each finishes the optimizer step it
-is in, saves `<checkpoint dir>/preempted` like any other checkpoint, and leaves fit with `Preempted`, which ends
-the process with code 128 + the signal's number unless caught. `fit(ckpt_path="last")` resumes from it.
+(trainer/loop/agreement.py), so they stop together even when one rank alone got the signal: each finishes the
+optimizer step it is in, saves `<checkpoint dir>/preempted` like any other checkpoint, and leaves fit with
+`Preempted`, which ends the process with code 128 + the signal's number unless caught. `fit(ckpt_path="last")`
+resumes from it.
 SIGINT (Ctrl-C) is left alone: it ends the process at once, as always.
 """
 

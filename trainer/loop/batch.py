@@ -84,7 +84,7 @@ class TrainingBatch:
 
     def _manual_outputs(self, output: Any, batch_idx: int) -> Any:
         """Manual optimization: the ranks still agree on a signal or data that ran out; global_step counts the
-        optimizer steps training_step took (trainer.py counts them)."""
+        optimizer steps training_step took (trainer/trainer.py counts them)."""
         agreed = self._agree(None, batch_idx)  # no loss to check
         self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
         self._log_step_metrics()

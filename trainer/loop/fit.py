@@ -1,9 +1,9 @@
 """The fit loop: epochs of training batches, with validation as `val_check_interval` says.
 
-Trainer.fit -> StepRunner.fit -> train_epoch -> TrainingBatch.run (batch.py) -> training_step. An epoch's batches
-start after the batches trained before a mid-epoch resume (data/epoch_batches.py); validation runs when it is due
-(validation.py). Evaluation runs the same number of steps on every rank although ranks may hold different numbers
-of batches (evaluation/steps.py).
+Trainer.fit -> StepRunner.fit -> train_epoch -> TrainingBatch.run (batch.py) -> training_step. An epoch's
+batches start after the batches trained before a mid-epoch resume (trainer/data/epoch_batches.py); validation runs
+when it is due (validation.py). Evaluation runs the same number of steps on every rank although ranks may hold
+different numbers of batches (trainer/evaluation/steps.py).
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ class StepRunner:
 
     def __init__(self, trainer: Trainer, loaders: FitLoaders) -> None:
         self.trainer, self.strategy, self.module = trainer, trainer.strategy, trainer.module
-        self.loaders = loaders  # built when first used, in Lightning's order (fit_data.py)
+        self.loaders = loaders  # built when first used, in Lightning's order (trainer/data/fit_data.py)
         self.clock = TrainingClock()
         self.batch = TrainingBatch(trainer, self.clock)  # one training batch, and the optimizer step
-        self._stream_checked = False  # whether the first step compared the ranks' first batches (stream_check.py)
+        # whether the first step compared the ranks' first batches (trainer/data/stream_check.py)
+        self._stream_checked = False
 
     train_loader = property(lambda self: self.loaders.train)
     val_loader = property(lambda self: self.loaders.val)

@@ -70,7 +70,8 @@ def sanity_check(trainer: Trainer, loaders: FitLoaders) -> None:
 
 def _sanity_steps(trainer: Trainer, loaders: FitLoaders) -> None:
     t = trainer
-    # the validation loader is built here (only) when there is a sanity check: Lightning's order (fit_data.py)
+    # the validation loader is built here (only) when there is a sanity check: Lightning's order
+    # (trainer/data/fit_data.py)
     if t.num_sanity_val_steps == 0 or t.limit_val_batches == 0 or loaders.val is None:
         return
     steps = t.num_val_batches if t.num_sanity_val_steps == -1 else min(t.num_sanity_val_steps, t.num_val_batches)
