@@ -7,6 +7,7 @@ function is still a circle."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,3 +122,13 @@ def test_no_module_imports_another_in_a_circle():
         if module not in state:
             visit(module)
     assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_architecture_page_names_every_trainer_module_and_only_files_that_exist():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:trainer|strategies|callbacks)/[\w/.]*)`", page))
+    assert not [p for p in named if not (ROOT / p).exists()], "docs/architecture.md names paths that do not exist"
+    modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "trainer").rglob("*.py") if p.name != "__init__.py"]
+    folders = [p for p in named if p.endswith("/") and p.count("/") > 1]  # trainer/cli/, not trainer/ itself
+    unnamed = [m for m in modules if m not in named and not any(m.startswith(f) for f in folders)]
+    assert not unnamed, f"docs/architecture.md does not say where these live: {sorted(unnamed)}"
