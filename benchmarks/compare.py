@@ -72,7 +72,8 @@ VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "f
 COMPILED_VARIANTS = ("floor+compile", "ddp+compile", "fsdp+compile", "torch-fsdp+compile")
 EXTRA_VARIANTS = ("floor-solo", "hsdp", "torch-hsdp", *COMPILED_VARIANTS)
 HSDP_GROUP = 2  # ranks that shard among themselves in the hsdp variants
-WATCHED = ("+timed", "+checked")  # what watches the engine's collectives (trainer/timing.py, trainer/divergence.py)
+# what watches the engine's collectives (trainer/observe/timing.py, trainer/observe/divergence.py)
+WATCHED = ("+timed", "+checked")
 WATCHABLE = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero", "zero2": "torch-ddp", "fsdp": "torch-fsdp",
                "hsdp": "torch-hsdp", "fsdp+compile": "torch-fsdp+compile"}
@@ -118,8 +119,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def watchers(name: str) -> list:
     """The watchers of a "+timed" or "+checked" variant, installed around its steps."""
-    from trainer.divergence import DivergenceCheck
-    from trainer.timing import StepTimer
+    from trainer.observe.divergence import DivergenceCheck
+    from trainer.observe.timing import StepTimer
 
     if name.endswith("+timed"):
         return [StepTimer()]

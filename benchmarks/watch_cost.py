@@ -27,8 +27,8 @@ import torch.distributed as dist  # noqa: E402
 
 from strategies import observe  # noqa: E402
 from strategies.sharding import collectives  # noqa: E402
-from trainer.divergence import DivergenceCheck  # noqa: E402
-from trainer.timing import StepTimer  # noqa: E402
+from trainer.observe.divergence import DivergenceCheck  # noqa: E402
+from trainer.observe.timing import StepTimer  # noqa: E402
 
 CALLS = 200_000
 

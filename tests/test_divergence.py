@@ -86,7 +86,7 @@ def test_a_rank_dependent_extra_forward_under_fsdp_is_named(rank_pool):
         assert "ranks are out of step" in text, text
         assert "rank 1: waits in all_gather #" in text and "unit 'blocks.0'" in text, text
         assert _line("EXTRA FORWARD") in text and "self(x)" in text, text
-        assert "rank 0: waits in all_reduce #" in text and "via trainer/agreement.py" in text, text  # the loop's
+        assert "rank 0: waits in all_reduce #" in text and "via trainer/loop/agreement.py" in text, text  # the loop's
 
 
 def test_an_extra_all_gather_on_one_rank_is_named(rank_pool):

@@ -541,7 +541,7 @@ INJECT_RANK = {"ddp": 1, "zero2": 1, "fsdp": 0}
 
 
 def body_fp16_skips_overflowing_steps() -> dict[str, tuple]:
-    from trainer.precision import LossScaler
+    from trainer.loop.precision import LossScaler
 
     out = {}
     original = LossScaler.unscale_and_check

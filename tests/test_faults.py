@@ -195,7 +195,7 @@ def _sigterm_to_rank_1_body(root: str) -> tuple[int, str] | None:
     """Rank 1 alone receives SIGTERM after step 3 (under torchrun each rank gets its own)."""
     try:
         _uninterrupted_body(root, faults=("term:3:1",))
-    except SystemExit as stop:  # trainer.preemption.Preempted
+    except SystemExit as stop:  # trainer.launch.preemption.Preempted
         return stop.code, str(stop)
     return None
 

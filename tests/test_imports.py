@@ -1,10 +1,13 @@
 """The packages' imports point down (trainer -> strategies -> strategies/sharding -> torch; callbacks see the Trainer,
-never the engine) and no module imports another in a circle. Annotation-only imports (under TYPE_CHECKING) do not
-count; an import inside a function does: a circle hidden in a function is still a circle."""
+never the engine) and no module imports another in a circle. Inside trainer/, each part (a folder) imports only the
+parts below it, and never the Trainer that puts them together (docs/architecture.md draws the layers).
+Annotation-only imports (under TYPE_CHECKING) do not count; an import inside a function does: a circle hidden in a
+function is still a circle."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -12,6 +15,19 @@ PACKAGES = ("trainer", "strategies", "callbacks")
 MUST_NOT_IMPORT = {  # package prefix -> prefixes it may never import
     "strategies": ("trainer", "callbacks"),
     "strategies.sharding": ("strategies.plan", "strategies.checkpoint", "trainer", "callbacks"),
+}
+
+# trainer's parts -> what each may import of trainer outside itself (module prefixes). The Trainer (trainer.trainer,
+# trainer.stages), the command line (trainer.cli, above the Trainer) and the plan stay out of every part.
+TRAINER_PARTS_MAY_IMPORT = {
+    "trainer.launch": (),
+    "trainer.observe": (),
+    "trainer.profilers": (),
+    "trainer.data": ("trainer.seed",),
+    "trainer.checkpoint": ("trainer.seed", "trainer.data.loader_state"),
+    "trainer.evaluation": ("trainer.module", "trainer.state", "trainer.data",
+                           "trainer.loop.agreement"),  # count_across_ranks: the all-reduce both loops share
+    "trainer.loop": ("trainer.config", "trainer.seed", "trainer.data", "trainer.evaluation", "trainer.launch"),
 }
 
 
@@ -69,6 +85,19 @@ def test_imports_point_down():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_trainer_parts_import_only_the_parts_below_them():
+    def within(module: str, prefix: str) -> bool:
+        return module == prefix or module.startswith(prefix + ".")
+
+    wrong = []
+    for module, imported in import_graph().items():
+        for part, allowed in TRAINER_PARTS_MAY_IMPORT.items():
+            if within(module, part):
+                wrong += [f"{module} imports {m}" for m in imported if within(m, "trainer")
+                          and not within(m, part) and not any(within(m, a) for a in allowed)]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
 def test_no_module_imports_another_in_a_circle():
     graph = import_graph()
     # a package's __init__ re-exports its modules; a module importing its own package's names through the
@@ -93,3 +122,13 @@ def test_no_module_imports_another_in_a_circle():
         if module not in state:
             visit(module)
     assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_architecture_page_names_every_trainer_module_and_only_files_that_exist():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:trainer|strategies|callbacks)/[\w/.]*)`", page))
+    assert not [p for p in named if not (ROOT / p).exists()], "docs/architecture.md names paths that do not exist"
+    modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "trainer").rglob("*.py") if p.name != "__init__.py"]
+    folders = [p for p in named if p.endswith("/") and p.count("/") > 1]  # trainer/cli/, not trainer/ itself
+    unnamed = [m for m in modules if m not in named and not any(m.startswith(f) for f in folders)]
+    assert not unnamed, f"docs/architecture.md does not say where these live: {sorted(unnamed)}"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tests.ranks import ROOT, RankFailure
 from trainer import Trainer, launcher, slurm
-from trainer.launcher import ClusterEnvironment, detect_environment, init_process_group
+from trainer.launch.launcher import ClusterEnvironment, detect_environment, init_process_group
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "allreduce.py")
 RANK_VARS = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT".split()

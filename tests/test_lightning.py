@@ -24,7 +24,7 @@ from strategies.sharding.placeholder import ShardedParameterError
 from tests.test_parity import max_relative_difference
 from trainer import DataModule, Trainer, TrainModule
 from trainer.hparams import AttributeDict
-from trainer.optimizers import normalize
+from trainer.loop.optimizers import normalize
 
 
 def _opt(n: int = 1) -> list[torch.optim.Optimizer]:
@@ -451,7 +451,7 @@ def test_a_datamodule_prepares_once_per_machine_and_sets_up_every_rank(rank_pool
 def test_a_custom_batch_sampler_is_a_clear_error_on_several_ranks():
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from trainer.data import distributed_loader
+    from trainer.data.loaders import distributed_loader
 
     class Buckets:  # a batch sampler without .sampler, as many are
         def __iter__(self):

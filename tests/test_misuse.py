@@ -166,7 +166,7 @@ def test_evaluation_sees_every_sample_once_with_one_process_metrics(rank_pool, n
 
 
 def test_evaluation_shares_come_in_as_many_batches_on_every_rank_where_they_can():
-    from trainer.data import ShardBatchSampler
+    from trainer.data.loaders import ShardBatchSampler
 
     def sizes(n: int, ranks: int, batch_size: int) -> list[list[int]]:
         return [[len(b) for b in ShardBatchSampler(n, ranks, r, batch_size)] for r in range(ranks)]

@@ -100,8 +100,8 @@ def test_a_mid_epoch_resume_with_workers_and_augmentation_is_exact(rank_pool, tm
 def test_a_stateful_dataloader_stays_one_when_the_trainer_splits_it():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from trainer.data import distributed_loader
-    from trainer.resume_sampler import ResumableSampler
+    from trainer.data.loaders import distributed_loader
+    from trainer.data.resume_sampler import ResumableSampler
 
     given = StatefulDataLoader(TensorDataset(torch.arange(10)), batch_size=2, shuffle=True, snapshot_every_n_steps=3)
     rebuilt = distributed_loader(given, world_size=2, rank=1, seed=0, argument="train_dataloaders")

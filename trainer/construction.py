@@ -10,7 +10,7 @@ import torch.distributed as dist
 from callbacks import Callback, Logger, ModelCheckpoint, ModelSummary, ProgressBar, TensorBoardLogger
 from strategies import Strategy, get_strategy
 
-from . import launcher, slurm
+from .launch import launcher, slurm
 
 if TYPE_CHECKING:
     from .trainer import Trainer

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .datamodule import DataHooks
+from .evaluation.metric_objects import collection_items, is_collection
 from .hparams import AttributeDict, HyperparametersMixin
-from .metric_objects import collection_items, is_collection
 
 if TYPE_CHECKING:
     from .trainer import Trainer

@@ -6,8 +6,7 @@ import datetime
 import inspect
 import math
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,25 +21,27 @@ from callbacks import (
 )
 from strategies import Strategy
 
-from . import config, construction, evaluation, planning
+from . import config, construction, planning
 from .checkpoint import Saver, find_last
-from .data import distributed_loader
-from .datamodule import DataModule, datamodule_in, prepare_data
-from .divergence import enabled_by_env as divergence_by_env
-from .evaluation_steps import StepMemory
-from .fit_data import FitLoaders
-from .instruments import during_fit
-from .loader_state import LoaderPosition
-from .loop import StepRunner
-from .metrics import MetricCollector
+from .checkpoint.dirs import checkpoint_dirs, full_file_problem
+from .data.fit_data import FitLoaders
+from .data.loader_state import LoaderPosition
+from .datamodule import DataModule, datamodule_in
+from .evaluation.evaluate import evaluate, predict, unless_undefined
+from .evaluation.metrics import MetricCollector
+from .evaluation.steps import StepMemory
+from .launch.preemption import SignalWatch
+from .loop.fit import StepRunner
+from .loop.nonfinite import NonFiniteGuard
+from .loop.optimizers import SchedulerConfig, configure_optimizers, manual_optimization
+from .loop.precision import Precision, check_precision
 from .module import TrainModule
-from .nonfinite import NonFiniteGuard
-from .optimizers import SchedulerConfig, configure_optimizers, manual_optimization
-from .precision import Precision, check_precision
-from .preemption import SignalWatch
+from .observe.divergence import enabled_by_env as divergence_by_env
+from .observe.instruments import during_fit
+from .observe.timing import StepTimer
 from .profilers import Profiler
+from .stages import running, setup_stage, stage_loader
 from .state import TrainerState
-from .timing import StepTimer
 from .unsupported import refuse as refuse_unsupported
 
 # What fast_dev_run turns off, as Lightning does: nothing is saved, logged or stopped early.
@@ -209,7 +210,7 @@ class Trainer:
         self.profiler = config.check_profiler(profiler)
         self.detect_divergence = config.check_bool("detect_divergence", detect_divergence) or divergence_by_env()
         self.max_time = config.check_max_time(max_time)
-        self.timer = StepTimer()  # where each step's time goes (timing.py); every fit
+        self.timer = StepTimer()  # where each step's time goes (observe/timing.py); every fit
         if sync_batchnorm and self.accelerator != "cuda":
             raise ValueError("sync_batchnorm=True needs accelerator='cuda': torch's SyncBatchNorm runs on GPUs only")
         if not isinstance(compile, bool):
@@ -242,9 +243,9 @@ class Trainer:
         self.state = TrainerState()
         self.metrics = MetricCollector(reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op),
                                        gather=lambda obj: self.strategy.all_gather_object(obj))
-        self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation_steps.py)
+        self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation/steps.py)
         self.skipped_validation: str | None = None  # why fit does not validate, when a loader was given
-        self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (preemption.py)
+        self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (launch/preemption.py)
         self.module: TrainModule | None = None
         """The `TrainModule` of the latest fit, validate, test or predict."""
         self.datamodule: DataModule | None = None
@@ -354,15 +355,14 @@ class Trainer:
         self.restore_loader_state = config.check_bool("restore_loader_state", restore_loader_state)
         self._fit_called = True
         self._choose_strategy(module, train_dataloaders)
-        self._setup(module, "fit", datamodule)
+        setup_stage(self, module, "fit", datamodule)
         source = datamodule or module
-        self._fit_loaders = FitLoaders(  # asked for when Lightning asks (fit_data.py)
-            self,
-            lambda: self._loader(train_dataloaders, source.train_dataloader, "train_dataloaders", required=True),
-            lambda: evaluation.unless_undefined(
-                self, module, self._loader(val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
-            ),
-        )
+        train = lambda: stage_loader(self, train_dataloaders, source.train_dataloader, "train_dataloaders",  # noqa: E731
+                                     required=True)
+        val = lambda: stage_loader(self, val_dataloaders, source.val_dataloader, "val_dataloaders",  # noqa: E731
+                                   evaluation=True)
+        # asked for when Lightning asks (data/fit_data.py)
+        self._fit_loaders = FitLoaders(self, train, lambda: unless_undefined(self, module, val()))
         self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
             module, self.strategy
         )
@@ -371,7 +371,7 @@ class Trainer:
         if ckpt_path is not None:
             self._restore(ckpt_path, trust_pickled=trust_pickled)
         # SIGTERM stays noted until the stage has ended; the step timer, profiler and divergence check watch the fit
-        with self.signal_watch, self._stage("fit"), during_fit(self):
+        with self.signal_watch, running(self, "fit"), during_fit(self):
             StepRunner(self, self._fit_loaders).fit()
 
     def validate(
@@ -462,16 +462,16 @@ class Trainer:
                   trust_pickled: bool) -> Any:
         (dataloaders, ckpt_path), datamodule = datamodule_in(dataloaders, ckpt_path, datamodule=datamodule)
         self._choose_strategy(module or self.module, None)
-        module = self._setup(module or self.module, stage, datamodule)
+        module = setup_stage(self, module or self.module, stage, datamodule)
         loader_of = {"validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
         default = getattr(datamodule or module, loader_of[stage])
-        loader = self._loader(dataloaders, default, "dataloaders", required=True, evaluation=True)
+        loader = stage_loader(self, dataloaders, default, "dataloaders", required=True, evaluation=True)
         if ckpt_path is not None:
             self._restore(ckpt_path, weights_only=True, trust_pickled=trust_pickled)
-        with self._stage(stage):
+        with running(self, stage):
             if stage == "predict":
-                return evaluation.predict(self, loader)
-            return [evaluation.evaluate(self, loader, stage)]
+                return predict(self, loader)
+            return [evaluate(self, loader, stage)]
 
     # ---- memory plan --------------------------------------------------------------------------------
     def plan(
@@ -513,33 +513,7 @@ class Trainer:
             chosen.connect(self.strategy.root_device, self.world_size, self.global_rank)
             self.strategy = chosen
 
-    # ---- pieces -------------------------------------------------------------------------------------
-    def _setup(self, module: Any, stage: str, datamodule: DataModule | None = None) -> TrainModule:
-        """The data prepared and set up, then the module: its setup(stage), and once configure_model and the
-        strategy's setup (as Lightning orders them)."""
-        if not isinstance(module, TrainModule):
-            raise TypeError(f"{stage}: module must be a trainer.TrainModule, got {type(module).__name__}")
-        self.state.stage = stage
-        module._trainer = self
-        self.datamodule = datamodule
-        prepare_data(self, [datamodule, module])
-        if datamodule is not None:
-            datamodule.trainer = self
-            datamodule.setup(stage)
-        module.setup(stage)
-        if module is self.module:
-            return module
-        self.module = module
-        with self.strategy.model_init_context():  # (fsdp: on meta, recorded; the dtype conversion too)
-            module.configure_model()
-            self.precision.convert_module(module)
-        if self.sync_batchnorm:
-            module = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        if self.compile and self.strategy.compile is None:
-            self.strategy.compile = True  # the strategy's units (see strategies/compile.py)
-        self.strategy.setup_module(module)
-        return module
-
+    # ---- pieces ----------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
         """Call `loss.backward()` with the precision's loss scaling, between the `on_before_backward` and
         `on_after_backward` hooks (in which `.grad` is never None for a parameter that got a gradient).
@@ -576,36 +550,6 @@ class Trainer:
             config.check_clip(value)
             params = self.strategy.optimizer_parameters(optimizer)
             self.strategy.clip_gradients(value, params=params, algorithm=algorithm)
-
-    def _loader(self, given: Any, default: Any, argument: str, required: bool = False, evaluation: bool = False) -> Any:
-        loader = given if given is not None else default()
-        if loader is None and required:
-            raise ValueError(f"{argument}: no DataLoader given and the module's (or datamodule's) hook returns None")
-        if not self.use_distributed_sampler:
-            return loader  # as given: the user splits the data across ranks
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-        return distributed_loader(loader, self.world_size, self.global_rank, seed, argument, evaluation)
-
-    @contextmanager
-    def _stage(self, stage: str) -> Iterator[None]:
-        """Callbacks' setup and teardown around a stage; on an exception, on_exception and a failed logger."""
-        self._call("setup", stage=stage)
-        try:
-            yield
-            self.checkpointer.wait()  # the save in flight, if any, is complete before the stage ends
-        except BaseException as error:
-            self.checkpointer.wait(raise_errors=False)
-            self._call("on_exception", error)
-            for logger in self.loggers:
-                logger.finalize("failed")
-            raise
-        finally:
-            self._call("teardown", stage=stage)
-            self.module.teardown(stage)
-            if self.datamodule is not None:
-                self.datamodule.teardown(stage)
-            for logger in self.loggers:
-                logger.save()
 
     def _call(self, hook: str, *args: Any, skip: Sequence[Callback] = (), **kwargs: Any) -> None:
         """Run a hook on every callback (except those in `skip`), then on the module if it defines one of that
@@ -644,7 +588,7 @@ class Trainer:
             self.checkpointer.save(self, path, async_save=async_save)
             return
         # Only rank 0 writes: it checks the path (and makes its folder) before any rank starts saving.
-        problem = self.strategy.broadcast(_full_file_problem(os.fspath(path)) if self.is_global_zero else None)
+        problem = self.strategy.broadcast(full_file_problem(os.fspath(path)) if self.is_global_zero else None)
         if problem is not None:
             raise ValueError(f"save_checkpoint(full=True): {problem}")
         self.checkpointer.save_full(self, os.fspath(path))
@@ -673,29 +617,3 @@ class Trainer:
         by_epochs = per_epoch * self.max_epochs if self.max_epochs > 0 else float("inf")
         return int(min(by_epochs, self.max_steps if self.max_steps > 0 else float("inf")))
 
-
-def checkpoint_dirs(checkpoint_callback: ModelCheckpoint | None, logger: Logger | None,
-                    default_root_dir: str) -> list[str]:
-    """Where checkpoints go: the ModelCheckpoint's dirpath, or by default `<log_dir>/checkpoints`; a restarted run
-    logs to a new logger version, so then the checkpoints folders of every version count. (Also used by the
-    command line, before a Trainer exists, to find the config of `--ckpt_path last`.)"""
-    directory = checkpoint_callback.dirpath if checkpoint_callback else None
-    if directory:
-        return [directory]
-    log_dir = logger.log_dir if logger else default_root_dir
-    dirs = [os.path.join(log_dir or default_root_dir, "checkpoints")]
-    root = getattr(logger, "root_dir", None)
-    if root is not None and os.path.isdir(root):
-        dirs += [os.path.join(root, v, "checkpoints") for v in sorted(os.listdir(root))]
-    return dirs
-
-
-def _full_file_problem(path: str) -> str | None:
-    """Why a full checkpoint cannot be written at `path`, or None (after making its folder)."""
-    if os.path.isdir(path):
-        return f"{path!r} is a directory; use a file path"
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    except OSError as error:
-        return f"cannot make the folder of {path!r}: {error}"
-    return None

@@ -12,7 +12,7 @@ Inside, the keys are those DCP gives {"model": ..., "optim": ..., "trainer": ...
     trainer                        epoch, step, position, schedulers, callbacks, loss scale, on_save_checkpoint
     rng.<rank>                     each rank's RNG states
     loader.<rank>                  each rank's training-loader state, where the loader keeps one and the
-                                   checkpoint is in the middle of an epoch (trainer/loader_state.py)
+                                   checkpoint is in the middle of an epoch (trainer/data/loader_state.py)
     meta                           world size, strategy, global step, tied aliases, state-dict keys, optimizer classes
     ema.<name>                     with callbacks.EMA: the moving average of each trainable parameter, sharded like
                                    "model" (callbacks may add such sharded state under keys of their own)

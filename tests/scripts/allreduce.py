@@ -7,7 +7,7 @@ With --pid-dir, each rank writes its pid to DIR/rank<r>.pid, and a failing rank 
 The process group is left to the launcher to destroy (as a Trainer's user leaves it); each rank says at exit,
 after the launcher's exit handlers, whether it was destroyed while the interpreter was still whole.
 Without --devices (under torchrun) the environment is read from the variables torchrun sets; under srun, from
-SLURM's (trainer/slurm.py), as the Trainer reads them.
+SLURM's (trainer/launch/slurm.py), as the Trainer reads them.
 """
 
 import argparse
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.launcher import detect_environment, from_slurm, init_process_group, launch_local_ranks
+from trainer.launch.launcher import detect_environment, from_slurm, init_process_group, launch_local_ranks
 
 
 def main() -> None:

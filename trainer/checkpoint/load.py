@@ -15,7 +15,7 @@ from strategies.checkpoint.format import EMA, LOADER, META, MODEL, RNG, TRAINER,
 from strategies.checkpoint.model_state import read_meta_item
 from strategies.checkpoint.source import Source, open_source
 
-from ..loader_state import check_world_size
+from ..data.loader_state import check_world_size
 from .trainer_state import callbacks_sharded_targets, optimizers, restore_trainer_state
 
 if TYPE_CHECKING:

@@ -21,11 +21,12 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace, class_from
 
 from callbacks import Callback, Logger, ModelCheckpoint
 
+from ..checkpoint.dirs import checkpoint_dirs
 from ..construction import build_loggers
 from ..datamodule import DataModule
 from ..module import TrainModule
 from ..seed import seed_everything
-from ..trainer import Trainer, checkpoint_dirs
+from ..trainer import Trainer
 from .checks import ConfigError, KeyIndex, check_sources, explain_parse_error
 from .saved import CONFIG_FILENAME, SaveConfigCallback, instantiate, saved_config_of
 from .sources import PRECEDENCE, Sources, split_command_line

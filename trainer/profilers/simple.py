@@ -1,5 +1,5 @@
 """SimpleProfiler (Lightning's name): at the end of fit, a table of where the time went, from the step timer that
-measures every fit (trainer/timing.py): per phase and, per collective kind and unit, the time in flight and the
+measures every fit (trainer/observe/timing.py): per phase and, per collective kind and unit, the time in flight and the
 exposed part; mean and total on rank 0, and the slowest rank of each row (all ranks' figures are gathered)."""
 
 from __future__ import annotations

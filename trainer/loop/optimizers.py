@@ -15,7 +15,7 @@ import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..trainer import Trainer
 
 INTERVALS = ("epoch", "step")
 SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name", "reduce_on_plateau"}

@@ -11,7 +11,7 @@ from strategies import observe
 from .divergence import DivergenceCheck
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..trainer import Trainer
 
 
 @contextmanager

@@ -86,7 +86,7 @@ def detect_environment() -> ClusterEnvironment | None:
 
 
 def from_slurm(devices: int, num_nodes: int) -> ClusterEnvironment | None:
-    """This task's rank under `srun` (trainer/slurm.py): one task per device is one rank; one task per node starts
+    """This task's rank under `srun` (slurm.py): one task per device is one rank; one task per node starts
     its node's `devices` ranks here. None when srun did not start this process."""
     task = slurm.detect()
     if task is None:

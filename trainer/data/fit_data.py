@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .data import limit_batches
+from .loaders import limit_batches
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..trainer import Trainer
 
 _UNBUILT = object()
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from strategies.step_trace import Collective, StepMismatch, first_unrepeatable
 
-from .agreement import count_across_ranks
-from .data import batches_per_rank, loader_length
+from ..data.loaders import batches_per_rank, loader_length
+from ..loop.agreement import count_across_ranks
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..trainer import Trainer
 
 _END = object()
 STEP_NAMES = {"validate": "validation_step", "test": "test_step", "predict": "predict_step"}

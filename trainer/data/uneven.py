@@ -1,4 +1,4 @@
-"""Training data that runs out at different times on different ranks (evaluation: evaluation_steps.py).
+"""Training data that runs out at different times on different ranks (evaluation: trainer/evaluation/steps.py).
 
 Training from an iterable dataset: a step needs every rank's gradient, so the epoch ends on every rank as soon as
 the first rank runs out (the loop learns it in the all-reduce it makes after each training_step), and rank 0 says

@@ -1,4 +1,4 @@
-"""Evaluation and prediction: each sample reaches the user's step once, on every rank alike (evaluation_steps.py)."""
+"""Evaluation and prediction: each sample reaches the user's step once, on every rank alike (steps.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .data import limit_batches
-from .evaluation_steps import run_steps
-from .module import TrainModule
-from .state import move_to_device
+from ..data.loaders import limit_batches
+from ..module import TrainModule
+from ..state import move_to_device
+from .steps import run_steps
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..trainer import Trainer
 
 
 def to_step(trainer: Trainer, batch: Any) -> Any:

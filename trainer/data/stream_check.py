@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .data import ShardBatchSampler
+from .loaders import ShardBatchSampler
 
 
 def split_by_the_trainer(loader: Any) -> bool:

@@ -1,0 +1,1 @@
+"""Evaluation and metrics: validation / test / predict steps, what `self.log` records, and metric objects."""

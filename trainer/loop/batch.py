@@ -1,0 +1,173 @@
+"""One training batch, as plain torch reads it: `training_step`, `loss.backward()`, clipping, `optimizer.step()`,
+`optimizer.zero_grad()`, with the callback hooks between; the strategy's engine works from hooks on the model and
+the optimizer. Gradients accumulate over `accumulate_grad_batches` batches (a window) before one optimizer step.
+
+After each training_step the ranks agree, in one small all-reduce (agreement.py), on what only some of them may
+know: a skipped batch, a non-finite loss, a SIGTERM, training data that ran out, max_time passed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..data.uneven import Lookahead
+from ..evaluation.evaluate import log_metrics, to_step
+from .agreement import Agreement, agree
+from .nonfinite import nonfinite_losses
+from .optimizers import step_schedulers
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+
+class TrainingClock:
+    """Seconds trained, over resumes too (max_time counts them, as Lightning's Timer does)."""
+
+    def __init__(self) -> None:
+        self._before, self._started = 0.0, time.monotonic()
+
+    def start(self, elapsed_before: float) -> None:
+        self._before, self._started = elapsed_before, time.monotonic()
+
+    def elapsed(self) -> float:
+        return self._before + time.monotonic() - self._started
+
+
+class TrainingBatch:
+    """Runs one training batch after another, and the optimizer step that ends each accumulation window."""
+
+    def __init__(self, trainer: Trainer, clock: TrainingClock) -> None:
+        self.trainer, self.strategy, self.module = trainer, trainer.strategy, trainer.module
+        self.optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self.clock = clock
+        self.agreed = Agreement()  # the ranks' agreement after the latest training_step
+        self.batches: Any = None  # this epoch's training batches (a Lookahead knows whether this rank has another)
+        self.stop_requested = False  # the ranks agreed to stop on a signal; this optimizer step is done
+        self.out_of_time = False  # the ranks agreed that max_time has passed; this optimizer step is done
+        self._backward_in_window = False
+        self._unsynced = False  # the window's gradients await the reduction no_sync held back
+        self._skip_window = False  # a non-finite loss in this accumulation window (on_nonfinite="skip")
+
+    def run(self, batch: Any, batch_idx: int) -> None:
+        t = self.trainer
+        batch = to_step(t, batch)
+        t._call("on_train_batch_start", batch, batch_idx)
+        with t.timer.phase("forward"), t.precision.autocast(), self.strategy.forward_context():
+            output = self.module.training_step(batch, batch_idx)
+        if not self.module.automatic_optimization:  # training_step did backward and the steps itself
+            outputs = self._manual_outputs(output, batch_idx)
+        else:
+            loss = self._loss_from(output, batch_idx)
+            agreed = self._agree(loss, batch_idx)
+            window_end = (
+                (batch_idx + 1) % t.accumulate_grad_batches == 0
+                or batch_idx + 1 == t.num_training_batches
+                or agreed.last_batch
+            )
+            if agreed.skip or self._skip_window:
+                outputs = None
+            else:
+                with self.strategy.no_backward_sync(enabled=not window_end):
+                    t.backward(loss / t.accumulate_grad_batches)
+                self._backward_in_window = True
+                self._unsynced = not window_end  # gradients held back by no_sync, not yet averaged
+                outputs = {"loss": loss.detach()}
+            if window_end:
+                self._optimizer_step(batch_idx)
+                self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
+        t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
+        t.state.time_elapsed = self.clock.elapsed()
+        t._call("on_train_batch_end", outputs, batch, batch_idx)
+
+    def _manual_outputs(self, output: Any, batch_idx: int) -> Any:
+        """Manual optimization: the ranks still agree on a signal or data that ran out; global_step counts the
+        optimizer steps training_step took (trainer/trainer.py counts them)."""
+        agreed = self._agree(None, batch_idx)  # no loss to check
+        self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
+        self._log_step_metrics()
+        return output
+
+    def _loss_from(self, output: Any, batch_idx: int) -> torch.Tensor | None:
+        loss = output["loss"] if isinstance(output, dict) and "loss" in output else output
+        if loss is None:
+            return None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise TypeError(
+                f"training_step (batch {batch_idx}) must return a scalar loss tensor that requires grad, a dict "
+                f"with a 'loss' entry, or None to skip the batch; got {_describe(output)}"
+            )
+        return loss.reshape(())
+
+    def _agree(self, loss: torch.Tensor | None, batch_idx: int) -> Agreement:
+        """What every rank must know after this training_step (see agreement.py); a non-finite loss raises here
+        with on_nonfinite="error", or marks this accumulation window to be skipped with "skip"."""
+        t = self.trainer
+        has_next = self.batches.has_next if isinstance(self.batches, Lookahead) else True
+        stop = t.signal_watch.received is not None
+        late = t.max_time is not None and self.clock.elapsed() >= t.max_time.total_seconds()
+        self.agreed = agree(self.strategy, loss, t.nonfinite.checks, stop, has_next, self._where(batch_idx), late)
+        if self.agreed.nonfinite_loss and not self._skip_window:  # a window counts once
+            self._nonfinite(f"loss ({nonfinite_losses(self.strategy, loss)})", batch_idx)
+            self._skip_window = True
+        return self.agreed
+
+    def _where(self, batch_idx: int) -> str:
+        t = self.trainer
+        return f"global step {t.global_step}, epoch {t.current_epoch}, batch {batch_idx}"
+
+    def _nonfinite(self, what: str, batch_idx: int) -> None:
+        t = self.trainer
+        t.nonfinite.found(what, self._where(batch_idx), t.is_global_zero)
+
+    def _optimizer_step(self, batch_idx: int) -> None:
+        t = self.trainer
+        if not (self._backward_in_window or self._skip_window):
+            return
+        stepping = not self._skip_window
+        self._backward_in_window = self._skip_window = False
+        with t.timer.phase("optimizer"):
+            if self._unsynced:  # the window's last batch was skipped: its earlier backwards were never averaged
+                self.strategy.synchronize_gradients()
+                self._unsynced = False
+            any_rank = lambda flag: self.strategy.reduce_boolean_decision(flag, all=False)  # noqa: E731
+            if stepping and t.precision.unscale_and_check(self.strategy.gradients(), any_rank):
+                t._call("on_before_optimizer_step", self.optimizer)  # before clipping, as Lightning
+                if t.gradient_clip_val is not None:
+                    stepping = self._clip_gradients(batch_idx)
+                if stepping:
+                    self.optimizer.step()
+            t._call("on_before_zero_grad", self.optimizer)
+            self.optimizer.zero_grad()
+        t.state.global_step += 1
+        step_schedulers(t, "step", t.global_step)
+        self._log_step_metrics()
+
+    def _log_step_metrics(self) -> None:
+        t = self.trainer
+        if t.nonfinite.skipped:
+            t.metrics.record("skipped_nonfinite_steps", t.nonfinite.skipped)
+        t.timer.end_step()
+        if t.profiler is not None:
+            t.profiler.step(t)
+        step_metrics = t.metrics.pop_step_metrics()
+        if t.global_step % t.log_every_n_steps == 0:
+            log_metrics(t, {**step_metrics, **t.timer.window_metrics()})  # time/*: where this window's steps went
+
+    def _clip_gradients(self, batch_idx: int) -> bool:
+        """Clip by the global norm; False to skip the step when that norm is not finite (on_nonfinite="skip").
+        The norm is the same on every rank, so they all decide alike."""
+        t = self.trainer
+        norm = self.strategy.clip_gradients(t.gradient_clip_val, algorithm=t.gradient_clip_algorithm)
+        if norm is not None and t.nonfinite.checks and not torch.isfinite(norm):
+            self._nonfinite(f"gradient norm ({float(norm)}, over every rank)", batch_idx)
+            return False
+        return True
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
+    return type(value).__name__

@@ -1,0 +1,1 @@
+"""Observing a run: the step timer, the divergence check (detect_divergence) and what turns them on for a fit."""
