@@ -767,6 +767,31 @@ def body_dropped_engine_is_freed(strategy: str) -> list:
     return [ref() for ref in refs]
 
 
+def body_engine_lives_as_long_as_its_model(strategy: str) -> list[float]:
+    """`model = Strategy().setup_module(model)` keeps no strategy: the model must keep the engine working."""
+    torch.manual_seed(0)
+    model = new_model()
+    opt = engine_for(model, strategy).setup_optimizer(make_optimizer(model, "sgd"))  # the engine is not kept
+    gc.collect()
+    for micro in range(2):
+        x, y = rank_batch(micro)
+        lm_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    x, y = (t[:PER_RANK_BATCH] for t in token_dataset().tensors)  # one batch, the same on every rank
+    with torch.no_grad():
+        loss = lm_loss(model, x, y).detach().reshape(1)
+    everyone = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, loss)  # the same batch on every rank: the same loss if the weights agree
+    return [t.item() for t in everyone]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_the_engine_lives_as_long_as_its_model(rank_pool, strategy):
+    for losses in rank_pool(2).run(body_engine_lives_as_long_as_its_model, strategy):
+        assert losses[0] == losses[1], losses
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_dropped_model_and_its_engine_are_freed(rank_pool, strategy):
     """The engine's gradient hooks live on the parameters (held from C++, out of the garbage collector's

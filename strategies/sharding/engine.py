@@ -183,14 +183,15 @@ class ShardingEngine:
         """`owner.zero_grad()` (the model's or an optimizer's) also clears the engine's gradients of `params`
         (all when None): the instance gets a zero_grad of its own that calls the class's first."""
         original = type(owner).zero_grad
-        engine = weakref.ref(self)
         selection = [(self.units.index(unit), indices) for unit, indices in self._select(params)]  # once
+        engine = self  # held strongly: the model (and the optimizer) keep their engine alive, so that
+        # `model = strategy.setup_module(model)` without keeping the strategy still trains as it says. This is an
+        # instance attribute, which the garbage collector sees: a dropped model and engine are still freed.
 
         def zero_grad(set_to_none: bool = True) -> None:
             original(owner, set_to_none)
-            if (live := engine()) is not None:
-                for unit_index, indices in selection:
-                    live.units[unit_index].grads.zero(indices, set_to_none)
+            for unit_index, indices in selection:
+                engine.units[unit_index].grads.zero(indices, set_to_none)
 
         owner.zero_grad = zero_grad
         self._hooks.append(_InstanceAttribute(owner, "zero_grad"))
