@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 
 from tests.ranks import RankFailure
 from tests.test_parity import TiedLM, max_relative_difference, new_model, token_dataset
-from trainer import Trainer, launcher
+from trainer import Trainer
+from trainer.launch import launcher
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tests.ranks import ROOT, RankFailure
-from trainer import Trainer, launcher, slurm
+from trainer import Trainer
+from trainer.launch import launcher, slurm
 from trainer.launch.launcher import ClusterEnvironment, detect_environment, init_process_group
 
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "allreduce.py")
