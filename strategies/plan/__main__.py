@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     p.add_argument("--activation-checkpointing", metavar="CLASSNAME[,CLASSNAME]",
                    help="module classes whose activations are recomputed in backward (they keep only their inputs)")
     p.add_argument("--ac-mode", choices=AC_MODES, default="full", help="full: checkpointed modules recompute "
-                   "everything (as the engine does); selective: time torchtitan's per-op policy (matmul outputs "
+                   "everything (as the engine does); selective: plan torchtitan's per-op policy (matmul outputs "
                    "saved every other one, attention outputs saved), in memory and time")
     p.add_argument("--hardware", metavar="NAME|FILE", help=f"the step-time forecast's profile: one of "
                    f"{sorted(HARDWARE)} or a JSON file --save-hardware wrote (default: this machine's GPU kind, "

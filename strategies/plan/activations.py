@@ -16,9 +16,10 @@ once backward has used it; so the largest one's saved tensors come back on top o
 
 from __future__ import annotations
 
+import gc
 import weakref
-from collections.abc import Callable
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,12 +361,29 @@ def step_activations(
     failures = []
     for batch, targets in candidates:
         try:
-            return _step_bytes(model, mode, excluded, batch, targets, precision, param_dtype, checkpointed)
+            with _collector_paused():
+                return _step_bytes(model, mode, excluded, batch, targets, precision, param_dtype, checkpointed)
         except (TypeError, ValueError, IndexError, KeyError, RuntimeError) as error:
             if len(candidates) == 1:
                 raise
             failures.append(f"{_shape_of(batch)}: {type(error).__name__}: {error}")
     raise ValueError(_no_batch(model) + "; its training_step took none of " + "; ".join(failures))
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Tensors are counted until they are freed; one caught in a reference cycle is freed whenever Python's cycle
+    collector happens to run, which depends on everything the process allocated before. With the collector
+    paused for the pass such a tensor counts until the pass ends, the same in every run (the first plan of a
+    process gave a different peak from the next one, now and then, before)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _shape_of(batch: Any) -> str:
