@@ -97,16 +97,18 @@ class ShardUnit:
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
         self._point_params_at(self._full_views)
 
-    def _views_to_gather(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per segment, (this rank's place in the full buffer, its master slice, the segment in full): made once,
-        like the parameters' views, since a view cannot be made of a freed buffer."""
+    def _views_to_gather(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+        """Per segment, (this rank's place in the full buffer, its master slice, the segment in full, whether the
+        slice is moved to the device before it is cast): made once, like the parameters' views, since a view
+        cannot be made of a freed buffer."""
         if not self.spec.shard_parameters:
             return []
         views = []
         for segment, lo, hi in self.layout.owned(self.rank):
             master = self.master[segment.shard_start : segment.shard_start + segment.chunk]
             whole = self.full_flat[segment.start : segment.start + segment.chunk * self.world_size]
-            views.append((self.full_flat[lo:hi], master, whole))
+            own = self.full_flat[lo:hi]
+            views.append((own, master, whole, master.device != own.device and master.dtype != own.dtype))
         return views
 
     def _master_copy(self, full: torch.Tensor) -> torch.Tensor:
@@ -161,8 +163,8 @@ class ShardUnit:
         if self.before_gather is not None:
             self.before_gather(self)
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
-        for own, master, whole in self._gather_views:  # gathered in place, as FSDP2 does: no separate input buffer
-            if master.device != own.device and master.dtype != own.dtype:
+        for own, master, whole, move_then_cast in self._gather_views:  # in place, as FSDP2: no separate input buffer
+            if move_then_cast:
                 own.copy_(master.to(own.device, non_blocking=True))  # moved, then cast on the device
             else:
                 own.copy_(master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
