@@ -329,7 +329,7 @@ class ShardedGradients:
     def _add(self, reduced: torch.Tensor) -> None:
         """Fold one averaged reduction (this rank's slice, then the used flags) into the gradient shard."""
         size, scale = self.size, self._scale
-        self._used_on_device.append(reduced[size:] > 0)
+        self._used_on_device.append(reduced[size:])  # (compared with 0 for every unit at once: read_used_flags)
         if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
             self.shard = reduced[:size].mul_(scale) if scale != 1.0 else reduced[:size]
             self._generation += 1
@@ -341,7 +341,8 @@ class ShardedGradients:
         read_used_flags([self])
 
     def pending_flags(self) -> torch.Tensor | None:
-        """The used flags of the reductions not yet read, or-ed (offloaded ones once they have arrived)."""
+        """The used flags of the reductions not yet read, as counts of the ranks that used each parameter
+        (summed over the reductions; offloaded ones once they have arrived): used where above 0."""
         for host, arrived in self._arriving:
             arrived.synchronize()
             self._add(host)
@@ -350,7 +351,7 @@ class ShardedGradients:
             return None
         flags = self._used_on_device[0]
         for more in self._used_on_device[1:]:
-            flags = flags | more
+            flags = flags + more
         return flags
 
     def take_flags(self, used: torch.Tensor) -> None:
@@ -459,7 +460,8 @@ def read_used_flags(stores: list) -> None:
     pending = [(store, flags) for store in stores if (flags := store.pending_flags()) is not None]
     if not pending:
         return
-    on_host = torch.cat([flags.reshape(-1) for _, flags in pending]).cpu()
+    # (a store's flags are booleans or counts of ranks: used where above 0, compared once for every store)
+    on_host = (torch.cat([flags.reshape(-1) for _, flags in pending]) > 0).cpu()
     for (store, _), host in zip(pending, torch.split(on_host, [f.numel() for _, f in pending])):
         store.take_flags(host)
 
