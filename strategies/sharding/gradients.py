@@ -363,7 +363,7 @@ class ShardedGradients:
         placeholder `.grad` standing for its gradient (None where no rank had a gradient), as in one process."""
         self._settle()
         used = self.used.tolist()
-        views = self.shard.split(self._split_sizes) if self.shard is not None and self._split_index else None
+        views = self.shard.split_with_sizes(self._split_sizes) if self.shard is not None and self._split_index else None
         for i, piece in enumerate(self.pieces):
             shard = self.unit.shard_params[piece.param_index]
             if shard.requires_grad:
@@ -450,7 +450,7 @@ def launch_together(stores: list[ShardedGradients]) -> None:
     output = torch.empty(sum(sizes), dtype=unit.reduce_dtype, device=unit.device)
     name = unit.name if len(stores) == 1 else "+".join(store.unit.name or "<root>" for store in stores)
     work = reduce_scatter_parts(output, parts, unit.groups.shard, unit.stats, async_op=True, unit=name)
-    for store, piece in zip(stores, torch.split(output, sizes)):
+    for store, piece in zip(stores, output.split_with_sizes(sizes)):  # (not the Python wrapper torch.split)
         store._output, store._work = piece, work
 
 
