@@ -44,6 +44,8 @@ class ForwardHooks:
         self.order: list[ShardUnit] = []  # wrapped units in the order this pass ran them
         self.last_order: list[ShardUnit] = []  # the previous pass's, for prefetching
         self._context: AbstractContextManager | None = None
+        # The units are fixed once built: their largest size is worked out once (`_ahead` runs for every unit).
+        self._small_below = SMALL_UNIT_FRACTION * max((u.layout.padded_total for u in engine.units), default=0)
 
     def register(self) -> list[Any]:
         if not self.engine.spec.shard_parameters:
@@ -185,11 +187,10 @@ class ForwardHooks:
         """The units to gather ahead: from order[start] on in the direction `step`, up to and including the first
         that is not small. A small unit (a normalization layer kept in full precision is a unit of its own) would
         otherwise be all the look-ahead there is, and the next block's gather would start only when it runs."""
-        largest = max(u.layout.padded_total for u in self.engine.units)
         window = []
         while 0 <= start < len(order):
             window.append(order[start])
-            if order[start].layout.padded_total >= SMALL_UNIT_FRACTION * largest:
+            if order[start].layout.padded_total >= self._small_below:
                 break
             start += step
         return window

@@ -185,6 +185,11 @@ class ShardedGradients:
         # this unit's previous reduction is done, which every backward waits for).
         self._flags = torch.ones(len(unit.params), dtype=unit.reduce_dtype, device=unit.device)
         self._flags_values = [True] * len(unit.params)
+        # Fixed for the unit's life, so worked out once (these run for every unit at every step).
+        self._scale = 1.0 / unit.groups.data_parallel_size
+        self._offloaded = unit.shard_device != unit.device
+        self._cast_back = unit.reduce_dtype != unit.master.dtype
+        self._split_sizes, self._split_index = self._piece_split()
 
     def _rank_plan(self, pieces: list) -> list[tuple[int, int, int] | int]:
         """What makes up one rank's slice, worked out once from the layout: (parameter index, start, end) for a
@@ -201,18 +206,35 @@ class ShardedGradients:
             plan.append(self.size - filled)
         return plan
 
+    def _piece_split(self) -> tuple[list[int], list[int] | None]:
+        """Sizes that split the gradient shard into its pieces (and the gaps between them), and where each piece
+        is among them: `attach` makes every piece's view with one call. None when the pieces are out of order."""
+        sizes: list[int] = []
+        index: list[int] = []
+        filled = 0
+        for piece in self.pieces:
+            if piece.shard_offset < filled:
+                return [], None
+            if piece.shard_offset > filled:
+                sizes.append(piece.shard_offset - filled)
+            index.append(len(sizes))
+            sizes.append(piece.numel)
+            filled = piece.shard_offset + piece.numel
+        if filled < self.size:
+            sizes.append(self.size - filled)
+        return sizes, index
+
     @property
     def nbytes(self) -> int:
         return self.size * self.unit.master.element_size()
 
     def on_grad_ready(self, index: int) -> None: ...  # gradients wait in `.grad` for their reduction
 
-    def _parts(self) -> list[list[torch.Tensor]]:
+    def _parts(self, grads: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
         """Rank r's slice of the unit's padded flat gradient plus the used flags, as tensors that concatenate
-        to it: pieces of the parameters' `.grad` (in the reduce dtype), zeros where a parameter has none."""
+        to it: pieces of the parameters' `.grad` (`grads`, in the reduce dtype), zeros where a parameter has none."""
         unit = self.unit
         dtype, device = unit.reduce_dtype, unit.device
-        grads = [p.grad for p in unit.params]
         values = [g is not None for g in grads]
         if values != self._flags_values:
             fill_flags(self._flags, values)
@@ -250,11 +272,12 @@ class ShardedGradients:
 
     def _prepare(self) -> list[list[torch.Tensor]]:
         """The parts of every rank's slice (`_parts`), once placeholders of an earlier micro-batch are dropped."""
-        with metadata_access():
-            for p in self.unit.params:  # placeholders of an earlier micro-batch are not gradients to send
-                if type(p.grad) is ShardedGradient:
+        with metadata_access():  # (read here: the parameters are usually placeholders again by now)
+            grads = [p.grad for p in self.unit.params]
+            for p, grad in zip(self.unit.params, grads):
+                if type(grad) is ShardedGradient:  # a placeholder of an earlier micro-batch is no gradient to send
                     p.grad = None
-        return self._parts()
+        return self._parts([None if type(g) is ShardedGradient else g for g in grads])
 
     def advance(self) -> None:
         """Free what backward no longer needs: the `.grad` tensors, once the reduce-scatter has sent them. Under
@@ -291,8 +314,8 @@ class ShardedGradients:
                 wait(self._work)
         else:
             self._wait_reduce_scatter()
-        reduced = self._output.to(unit.master.dtype)
-        if unit.shard_device != reduced.device:  # cpu_offload: copied to pinned memory while the GPU goes on
+        reduced = self._output.to(unit.master.dtype) if self._cast_back else self._output
+        if self._offloaded:  # cpu_offload: copied to pinned memory while the GPU goes on
             host = torch.empty(reduced.shape, dtype=reduced.dtype, pin_memory=True)
             host.copy_(reduced, non_blocking=True)
             arrived = torch.cuda.Event()
@@ -305,8 +328,8 @@ class ShardedGradients:
 
     def _add(self, reduced: torch.Tensor) -> None:
         """Fold one averaged reduction (this rank's slice, then the used flags) into the gradient shard."""
-        size, scale = self.size, 1.0 / self.unit.groups.data_parallel_size
-        self._used_on_device.append(reduced[size:] > 0)
+        size, scale = self.size, self._scale
+        self._used_on_device.append(reduced[size:])  # (compared with 0 for every unit at once: read_used_flags)
         if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
             self.shard = reduced[:size].mul_(scale) if scale != 1.0 else reduced[:size]
             self._generation += 1
@@ -318,7 +341,8 @@ class ShardedGradients:
         read_used_flags([self])
 
     def pending_flags(self) -> torch.Tensor | None:
-        """The used flags of the reductions not yet read, or-ed (offloaded ones once they have arrived)."""
+        """The used flags of the reductions not yet read, as counts of the ranks that used each parameter
+        (summed over the reductions; offloaded ones once they have arrived): used where above 0."""
         for host, arrived in self._arriving:
             arrived.synchronize()
             self._add(host)
@@ -327,7 +351,7 @@ class ShardedGradients:
             return None
         flags = self._used_on_device[0]
         for more in self._used_on_device[1:]:
-            flags = flags | more
+            flags = flags + more
         return flags
 
     def take_flags(self, used: torch.Tensor) -> None:
@@ -339,11 +363,16 @@ class ShardedGradients:
         placeholder `.grad` standing for its gradient (None where no rank had a gradient), as in one process."""
         self._settle()
         used = self.used.tolist()
-        for piece in self.pieces:
+        views = self.shard.split_with_sizes(self._split_sizes) if self.shard is not None and self._split_index else None
+        for i, piece in enumerate(self.pieces):
             shard = self.unit.shard_params[piece.param_index]
             if shard.requires_grad:
-                has = self.shard is not None and used[piece.param_index]
-                shard.grad = self.shard[piece.shard_offset : piece.shard_offset + piece.numel] if has else None
+                if self.shard is None or not used[piece.param_index]:
+                    shard.grad = None
+                elif views is not None:
+                    shard.grad = views[self._split_index[i]]
+                else:
+                    shard.grad = self.shard[piece.shard_offset : piece.shard_offset + piece.numel]
         self._show(used)
 
     def zero(self, indices: list[int], set_to_none: bool = True) -> None:
@@ -421,7 +450,7 @@ def launch_together(stores: list[ShardedGradients]) -> None:
     output = torch.empty(sum(sizes), dtype=unit.reduce_dtype, device=unit.device)
     name = unit.name if len(stores) == 1 else "+".join(store.unit.name or "<root>" for store in stores)
     work = reduce_scatter_parts(output, parts, unit.groups.shard, unit.stats, async_op=True, unit=name)
-    for store, piece in zip(stores, torch.split(output, sizes)):
+    for store, piece in zip(stores, output.split_with_sizes(sizes)):  # (not the Python wrapper torch.split)
         store._output, store._work = piece, work
 
 
@@ -431,7 +460,8 @@ def read_used_flags(stores: list) -> None:
     pending = [(store, flags) for store in stores if (flags := store.pending_flags()) is not None]
     if not pending:
         return
-    on_host = torch.cat([flags.reshape(-1) for _, flags in pending]).cpu()
+    # (a store's flags are booleans or counts of ranks: used where above 0, compared once for every store)
+    on_host = (torch.cat([flags.reshape(-1) for _, flags in pending]) > 0).cpu()
     for (store, _), host in zip(pending, torch.split(on_host, [f.numel() for _, f in pending])):
         store.take_flags(host)
 

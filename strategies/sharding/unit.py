@@ -9,9 +9,9 @@ its parameters (see layout.py), which every parameter is a view of while unshard
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,16 +97,18 @@ class ShardUnit:
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
         self._point_params_at(self._full_views)
 
-    def _views_to_gather(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per segment, (this rank's place in the full buffer, its master slice, the segment in full): made once,
-        like the parameters' views, since a view cannot be made of a freed buffer."""
+    def _views_to_gather(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+        """Per segment, (this rank's place in the full buffer, its master slice, the segment in full, whether the
+        slice is moved to the device before it is cast): made once, like the parameters' views, since a view
+        cannot be made of a freed buffer."""
         if not self.spec.shard_parameters:
             return []
         views = []
         for segment, lo, hi in self.layout.owned(self.rank):
             master = self.master[segment.shard_start : segment.shard_start + segment.chunk]
             whole = self.full_flat[segment.start : segment.start + segment.chunk * self.world_size]
-            views.append((self.full_flat[lo:hi], master, whole))
+            own = self.full_flat[lo:hi]
+            views.append((own, master, whole, master.device != own.device and master.dtype != own.dtype))
         return views
 
     def _master_copy(self, full: torch.Tensor) -> torch.Tensor:
@@ -142,15 +144,9 @@ class ShardUnit:
             view = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
             self.shard_params[piece.param_index] = nn.Parameter(view, trainable)
 
-    @contextmanager
-    def naming_failures(self, what: str) -> Iterator[None]:
+    def naming_failures(self, what: str) -> NamingFailures:
         """A collective of this unit that fails (a timeout, a dead peer) says which unit and what it was."""
-        try:
-            yield
-        except RuntimeError as error:
-            if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
-                raise  # not from a collective (torch.OutOfMemoryError, ...)
-            raise type(error)(f"{what} of unit {self.name or '<root>'!r}: {error}") from error
+        return NamingFailures(self.name, what)
 
     # ---- parameters: unshard / reshard --------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -161,8 +157,8 @@ class ShardUnit:
         if self.before_gather is not None:
             self.before_gather(self)
         self.full_flat.untyped_storage().resize_(self._full_nbytes)
-        for own, master, whole in self._gather_views:  # gathered in place, as FSDP2 does: no separate input buffer
-            if master.device != own.device and master.dtype != own.dtype:
+        for own, master, whole, move_then_cast in self._gather_views:  # in place, as FSDP2: no separate input buffer
+            if move_then_cast:
                 own.copy_(master.to(own.device, non_blocking=True))  # moved, then cast on the device
             else:
                 own.copy_(master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
@@ -264,3 +260,23 @@ class ShardUnit:
         self.grads.on_grad_ready(index)
         self.ready_count += 1
         return self.ready_count == self.trainable_count
+
+
+class NamingFailures:
+    """`ShardUnit.naming_failures`'s context: a class, not a generator, since it wraps every wait of every unit
+    at every step (a generator-based context manager costs a few microseconds more each time)."""
+
+    __slots__ = ("unit", "what")
+
+    def __init__(self, unit: str, what: str) -> None:
+        self.unit, self.what = unit, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, error: BaseException | None, _traceback: Any) -> bool:
+        if error is None or not isinstance(error, RuntimeError):
+            return False
+        if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
+            return False  # not from a collective (torch.OutOfMemoryError, ...)
+        raise type(error)(f"{self.what} of unit {self.unit or '<root>'!r}: {error}") from error
