@@ -33,7 +33,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.gpu.common import one_rank_collectives  # noqa: E402
 from examples.gpt import GPT, Block, GPTConfig  # noqa: E402
 from strategies import FSDPStrategy, get_strategy  # noqa: E402
 from strategies.sharding.collectives import ONE_RANK_COLLECTIVES  # noqa: E402
@@ -59,18 +59,9 @@ def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
-@contextmanager
 def collectives_of(variant: str):
-    """One-rank collectives on for an "@many" variant (read when units are built and at each call)."""
-    previous = os.environ.get(ONE_RANK_COLLECTIVES)
-    os.environ[ONE_RANK_COLLECTIVES] = "1" if variant.endswith("@many") else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(ONE_RANK_COLLECTIVES)
-        else:
-            os.environ[ONE_RANK_COLLECTIVES] = previous
+    """One-rank collectives on for an "@many" variant, off otherwise."""
+    return one_rank_collectives(variant.endswith("@many"))
 
 
 def build(variant: str, rank: int) -> Step:

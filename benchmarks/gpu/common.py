@@ -8,6 +8,8 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,21 @@ class Settings:
 
 
 # ---------------------------------------------------------------------------------------------- reporting
+
+
+@contextmanager
+def one_rank_collectives(on: bool) -> Iterator[None]:
+    """SHARDTRAIN_ONE_RANK_COLLECTIVES set to "1" (the engine's collectives run even on one rank, as on many GPUs)
+    or "0" inside the block, restored after (the engine reads it when units are built and at each call)."""
+    previous = os.environ.get(ONE_RANK_COLLECTIVES)
+    os.environ[ONE_RANK_COLLECTIVES] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ONE_RANK_COLLECTIVES)
+        else:
+            os.environ[ONE_RANK_COLLECTIVES] = previous
 
 
 def report(kind: str, **fields: Any) -> None:

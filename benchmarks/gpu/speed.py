@@ -12,19 +12,16 @@ unit all-gathered and reduce-scattered through nccl, which fully_shard takes on 
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 from collections.abc import Callable
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from examples.gpt import GPT, Block, GPTConfig
 from strategies import FSDPStrategy, get_strategy
-from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 
-from .common import Settings, lm_loss, new_gpt, report, token_batches
+from .common import Settings, lm_loss, new_gpt, one_rank_collectives, report, token_batches
 
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s by the vendors' datasheets
 Step = Callable[[], None]
@@ -45,18 +42,9 @@ def flops_per_step(config: GPTConfig, params: int, tokens: int) -> float:
 # ---------------------------------------------------------------------------------------------- variants
 
 
-@contextmanager
 def collectives_of(variant: str):
-    """One-rank collectives on for an "@nccl" variant, off otherwise (read when units are built and at each call)."""
-    previous = os.environ.get(ONE_RANK_COLLECTIVES)
-    os.environ[ONE_RANK_COLLECTIVES] = "1" if variant.endswith("@nccl") else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(ONE_RANK_COLLECTIVES)
-        else:
-            os.environ[ONE_RANK_COLLECTIVES] = previous
+    """One-rank collectives on for an "@nccl" variant, off otherwise."""
+    return one_rank_collectives(variant.endswith("@nccl"))
 
 
 def build_variant(name: str, config: GPTConfig, settings: Settings) -> tuple[Any, torch.optim.Optimizer]:
