@@ -135,3 +135,16 @@ def test_selective_checkpointing_recomputes_less_than_full():
     assert none.forecasts["ddp"].compute_s < selective < full
     with pytest.raises(ValueError, match=r"checkpoint_mode='some'.*\['full', 'selective'\]"):
         plan_memory(model, checkpoint_mode="some", **common)
+
+
+def test_a_huggingface_model_is_planned_and_forecast_as_it_comes():
+    """A transformers causal LM given as a plain nn.Module returns a ModelOutput: its logits are what is trained."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
+    plan = plan_memory(model, world_size=16, nodes=2, batch_size=2, seq_len=32, precision="bf16-mixed",
+                       wrap_policy={GPT2Block}, hardware="h100")
+    assert plan.activations > 0 and set(plan.forecasts) == {"ddp", "zero1", "zero2", "hsdp", "fsdp"}
+    assert all(f.step_s > 0 and f.comm_s > 0 for f in plan.forecasts.values())

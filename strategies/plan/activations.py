@@ -292,14 +292,16 @@ def _batched(value: Any, batch_size: int) -> Any:
 
 def training_loss(model: nn.Module, batch: Any, targets: Any) -> torch.Tensor:
     """training_step's loss for a TrainModule (its logging switched off), else the forward's output reduced:
-    next-token cross-entropy for token models, the mean of every floating output otherwise."""
+    next-token cross-entropy for token models (of the output's `logits` where it has them, as HuggingFace's
+    models return them), the mean of every floating output otherwise."""
     if callable(getattr(model, "training_step", None)):
         model.log = model.log_dict = lambda *args, **kwargs: None
         out = model.training_step(batch, 0)
         return out["loss"] if isinstance(out, dict) else out
     out = model(*batch) if isinstance(batch, tuple) else model(batch)
     if targets is not None:
-        return F.cross_entropy(out.flatten(0, -2).float(), targets.flatten())
+        logits = getattr(out, "logits", out)
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
     return sum(t.float().mean() for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
