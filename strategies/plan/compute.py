@@ -55,11 +55,6 @@ class ComputeCost:
     def total(self) -> float:
         return self.forward_total + self.backward
 
-    def scaled(self, factor: float) -> ComputeCost:
-        """Every time multiplied by `factor` (a calibration against a measured step)."""
-        return ComputeCost([(name, s * factor) for name, s in self.forward], self.backward * factor,
-                           self.model_flops, self.compute_dtype)
-
 
 def _arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     named = {a.name: v for a, v in zip(func._schema.arguments, args)}

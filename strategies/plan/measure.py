@@ -31,7 +31,6 @@ from .activations import AUTOCAST
 from .hardware import Hardware, Link, default_hardware
 
 SWEEP_BYTES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 def _median_seconds(fn: Callable[[], Any], repeat: int = 5) -> float:
