@@ -51,6 +51,7 @@ PARTS: dict[str, Part] = {
     "fused_adamw": Part("correctness", "part_fused_adamw", 150, 5),
     "checkpoint": Part("correctness", "part_checkpoint", 150, 3),
     "auto": Part("correctness", "part_auto", 120, 1),
+    "two_ranks": Part("two_ranks", "part_two_ranks", 240, 4),
     "streams": Part("streams", "part_streams", 120, 1, speed=True),
     "speed": Part("speed", "part_speed", 240, 0, speed=True),
     "overhead": Part("speed", "part_overhead", 120, 0, speed=True),
@@ -151,13 +152,14 @@ def print_speed(outcomes: list[Outcome]) -> None:
     if gpt2:
         base = {r["variant"]: r["step_ms"] for r in gpt2}
         print("\nSpeed: GPT-2 small shape, batch 8 x 1024 tokens, bf16 autocast, AdamW(fused), one GPU")
-        print(f"{'variant':15} {'step ms':>9} {'fastest':>8} {'tokens/s':>10} {'MFU':>6} {'memory MiB':>11} "
-              f"{'vs torch':>9}")
+        print(f"{'variant':15} {'step ms':>9} {'fastest':>8} {'host ms':>8} {'tokens/s':>10} {'MFU':>6} "
+              f"{'memory MiB':>11} {'vs torch':>9}")
         for r in gpt2:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
             versus = r["step_ms"] / base["torch"] if "torch" in base else float("nan")
             print(f"{r['variant']:15} {r['step_ms']:9.2f} {r.get('fastest_ms', float('nan')):8.2f} "
-                  f"{r['tokens_per_s']:10.0f} {mfu:>6} {r['memory_mib']:11.0f} {versus:9.3f}")
+                  f"{r.get('host_ms', float('nan')):8.2f} {r['tokens_per_s']:10.0f} {mfu:>6} "
+                  f"{r['memory_mib']:11.0f} {versus:9.3f}")
         if "torch+compile" in base and "fsdp+compile" in base and "torch" in base:
             print(f"compiled fsdp vs eager plain torch: {base['torch'] / base['fsdp+compile']:.2f}x faster")
     overhead = [r for r in rows if r["table"] == "overhead"]

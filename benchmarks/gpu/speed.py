@@ -12,7 +12,9 @@ unit all-gathered and reduce-scattered through nccl, which fully_shard takes on 
 from __future__ import annotations
 
 import gc
+import os
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -95,22 +97,25 @@ def make_step(model: Any, optimizer: torch.optim.Optimizer, batch: tuple, settin
     return step
 
 
-def timed_steps(step: Step, count: int, settings: Settings) -> list[float]:
-    """Seconds per step: CUDA events on the GPU (the device's timeline, launch gaps included)."""
+def timed_steps(step: Step, count: int, settings: Settings, host: list[float] | None = None) -> list[float]:
+    """Seconds per step: CUDA events on the GPU (the device's timeline, launch gaps included). `host` gets the
+    host's seconds per step (the time to queue it): near the device's, the step is bound by the host."""
+    host = [] if host is None else host
     if settings.device != "cuda":
-        import time
-
         times = []
         for _ in range(count):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
+        host += times
         return times
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
     for start, end in events:
+        began = time.perf_counter()
         start.record()
         step()
         end.record()
+        host.append(time.perf_counter() - began)
     torch.cuda.synchronize()
     return [start.elapsed_time(end) / 1000 for start, end in events]
 
@@ -120,7 +125,7 @@ def run_interleaved(variants: list[str], config: GPTConfig, batch: tuple, settin
     """Each round runs every variant's `steps` (rotating which goes first). Variants are built in round one;
     a variant's memory is its peak over that first run less what was allocated before it was built."""
     built: dict[str, Step] = {}
-    results: dict[str, dict[str, Any]] = {name: {"times": []} for name in variants}
+    results: dict[str, dict[str, Any]] = {name: {"times": [], "host": []} for name in variants}
     for r in range(rounds):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for name in order:
@@ -132,7 +137,11 @@ def run_interleaved(variants: list[str], config: GPTConfig, batch: tuple, settin
                     _reset_peak(settings)
                     timed_steps(built[name], warmup, settings)
                     results[name]["memory"] = _peak(settings) - before
-                results[name]["times"] += timed_steps(built[name], steps, settings)
+                results[name]["times"] += timed_steps(built[name], steps, settings, results[name]["host"])
+    if PROFILED:
+        for name in (n for n in variants if n in PROFILED):
+            with collectives_of(name):
+                profile_steps(name, built[name], settings)
     return results
 
 
@@ -152,6 +161,33 @@ def _reset_peak(settings: Settings) -> None:
 
 def _peak(settings: Settings) -> int:
     return torch.cuda.max_memory_allocated() if settings.device == "cuda" else 0
+
+
+# Variants of the GPT-2 table profiled for 3 steps after timing: where the host's time goes and how often it
+# waits for the device (the profile of the many-GPU path against plain torch's).
+PROFILED = ("torch", "fsdp@nccl")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy")
+
+
+def profile_steps(name: str, step: Step, settings: Settings, steps: int = 3) -> None:
+    """Report the host's busiest operations, per step, and its waits for the device; the trace goes to $OUT."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if settings.device != "cuda":
+        return
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    waits = {e.key: e.count // steps for e in events if e.key.startswith(SYNCS)}
+    busiest = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    top = ", ".join(f"{e.key} {e.self_cpu_time_total / steps / 1e3:.2f} ms x{e.count // steps}" for e in busiest)
+    report("note", text=f"profile {name} per step: host waits {waits or 'none'}; host self time: {top}")
+    out = os.environ.get("OUT")
+    if out:
+        prof.export_chrome_trace(os.path.join(out, f"speed_{name.replace('@', '_')}.json"))
 
 
 # ------------------------------------------------------------------------------------------------ parts
@@ -175,6 +211,7 @@ def part_speed(settings: Settings) -> None:
             mfu = flops_per_step(config, params, tokens) / median / peak if peak else None
             report("speed", table="gpt2", variant=name, step_ms=median * 1e3, tokens_per_s=tokens / median,
                    mfu=mfu, memory_mib=results[name]["memory"] / 2**20, steps=len(results[name]["times"]),
+                   host_ms=statistics.median(results[name]["host"]) * 1e3,
                    fastest_ms=min(results[name]["times"]) * 1e3)
     _report_compilation()
 

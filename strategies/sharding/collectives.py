@@ -206,8 +206,11 @@ def reduce_scatter_parts(
     if not on_gloo:
         full = torch.cat([t.reshape(-1) for rank_parts in parts for t in rank_parts])
         pending = Pending([_reduce_scatter_single(shard, full, group=group, async_op=True)], call=call)
-    else:
+    elif shard.device.type == "cpu":
         pending = _gloo_reduce_scatter(shard, parts, group, call)
+    else:
+        host_parts = [[t.cpu() for t in rank_parts] for rank_parts in parts]
+        pending = _through_host(shard, lambda host: _gloo_reduce_scatter(host, host_parts, group, call))
     if not async_op:
         pending.wait()
     return pending
@@ -262,7 +265,6 @@ def _packed(parts: list[torch.Tensor], packs: list[tuple[int, int]]) -> list[tor
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool,
                unit: str = "") -> Work:
     """Concatenate every rank's `shard` into `full`. `shard` may be this rank's own place in `full`."""
-    n = shard.numel()
     if _alone(group):
         if shard.data_ptr() != full.data_ptr():
             full.copy_(shard)
@@ -270,19 +272,44 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommS
     on_gloo = _on_gloo(group)
     call = observe.start("all_gather", unit, full.numel(), group, "all_gather" if on_gloo else observe.ORDERED)
     stats.add("all_gather", full.numel())
-    rank, _, peers = _peers(group)
-    own = full[rank * n : (rank + 1) * n]
-    if on_gloo:
-        # Each rank's shard lands straight in its place in `full`.
-        if shard.data_ptr() != own.data_ptr():
-            own.copy_(shard)
-        sends, recvs = [(own, p) for p in peers], [(full[p * n : (p + 1) * n], p) for p in peers]
-        pending = Pending(_exchange(sends, recvs, group, ALL_GATHER_TAG), call=call)
+    if on_gloo and full.device.type == "cpu":
+        pending = _gloo_all_gather(full, shard, group, call)
+    elif on_gloo:
+        host_shard = shard.cpu()
+        pending = _through_host(full, lambda host: _gloo_all_gather(host, host_shard, group, call))
     else:
         # `shard` may be `own` itself: nccl gathers in place when the input is the output's own slice.
         pending = Pending([_all_gather_single(full, shard, group=group, async_op=True)], call=call)
     if not async_op:
         pending.wait()
+    return pending
+
+
+def _gloo_all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, call: Any) -> Pending:
+    """Each rank's shard lands straight in its place in `full`."""
+    n = shard.numel()
+    rank, _, peers = _peers(group)
+    own = full[rank * n : (rank + 1) * n]
+    if shard.data_ptr() != own.data_ptr():
+        own.copy_(shard)
+    sends, recvs = [(own, p) for p in peers], [(full[p * n : (p + 1) * n], p) for p in peers]
+    return Pending(_exchange(sends, recvs, group, ALL_GATHER_TAG), call=call)
+
+
+def _through_host(out: torch.Tensor, exchange: Callable[[torch.Tensor], Pending]) -> Pending:
+    """gloo's point-to-point messages carry host memory only (its all_reduce and broadcast take CUDA tensors,
+    its send and recv do not): `exchange` fills a host copy of `out` (the caller copied its inputs to the host),
+    which is copied into `out` once it is done. Two ranks sharing one GPU run this way (nccl refuses them)."""
+    host = torch.empty(out.shape, dtype=out.dtype)
+    pending = exchange(host)
+    then = pending.then
+
+    def copy_back() -> None:
+        if then is not None:
+            then()
+        out.copy_(host)
+
+    pending.then = copy_back
     return pending
 
 
