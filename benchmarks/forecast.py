@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import platform
@@ -133,9 +132,9 @@ def layer_check() -> None:
     if not torch.cuda.is_available():
         print("\nlayer: needs a GPU (torch.cuda.is_available() is False here)")
         return
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
 
-    from strategies.plan.checkpointing import selective_policy
+    from strategies.plan.checkpointing import selective_context
 
     with torch.device("meta"):
         meta = OneLayer()
@@ -143,11 +142,10 @@ def layer_check() -> None:
                            activation_checkpointing={OneLayer}, checkpoint_mode="selective").forecasts["ddp"]
     model = OneLayer().cuda()
     x = torch.randn(2, 8192, 4096, device="cuda", requires_grad=True)
-    context = functools.partial(create_selective_checkpoint_contexts, selective_policy())
 
     def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = checkpoint(model, x, use_reentrant=False, context_fn=context)
+            y = checkpoint(model, x, use_reentrant=False, context_fn=selective_context)
         y.float().mean().backward()
 
     for _ in range(3):

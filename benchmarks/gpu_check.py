@@ -71,14 +71,14 @@ class Outcome:
 # -------------------------------------------------------------------------------------------------- a part
 
 
-def run_part_here(name: str, device: str, tiny: bool) -> None:
+def run_part_here(name: str, device: str, tiny: bool, speed_batch: int) -> None:
     """The body of one part's process."""
     import importlib
 
     from benchmarks.gpu.common import Settings, finish, start
 
     part = PARTS[name]
-    settings = Settings(device, tiny)
+    settings = Settings(device, tiny, speed_batch)
     start(settings, deterministic=not part.speed)
     getattr(importlib.import_module(f"benchmarks.gpu.{part.module}"), part.function)(settings)
     finish()
@@ -89,6 +89,7 @@ def launch(name: str, args: argparse.Namespace) -> Outcome:
 
     command = [sys.executable, os.path.abspath(__file__), "--run-part", name, "--device", args.device]
     command += ["--tiny"] if args.tiny else []
+    command += ["--speed-batch", str(args.speed_batch)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not PARTS[name].speed:
         env[ONE_RANK_COLLECTIVES] = PARTS[name].one_rank_collectives
@@ -151,7 +152,8 @@ def print_speed(outcomes: list[Outcome]) -> None:
     gpt2 = [r for r in rows if r["table"] == "gpt2"]
     if gpt2:
         base = {r["variant"]: r["step_ms"] for r in gpt2}
-        print("\nSpeed: GPT-2 small shape, batch 8 x 1024 tokens, bf16 autocast, AdamW(fused), one GPU")
+        print(f"\nSpeed: GPT-2 small shape, batch {gpt2[0]['batch']} x 1024 tokens, bf16 autocast, AdamW(fused), "
+              "one GPU; host ms: the host's time to queue one step on an idle GPU")
         print(f"{'variant':15} {'step ms':>9} {'fastest':>8} {'host ms':>8} {'tokens/s':>10} {'MFU':>6} "
               f"{'memory MiB':>11} {'vs torch':>9}")
         for r in gpt2:
@@ -195,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="small sizes (for a CPU run in seconds)")
+    parser.add_argument("--speed-batch", type=int, default=8, help="the speed part's batch (sequences of 1024)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--jobs", type=int, default=None, help="correctness parts at once (default: 4 on cuda)")
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every part's timeout")
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_part:
-        run_part_here(args.run_part, args.device, args.tiny)
+        run_part_here(args.run_part, args.device, args.tiny, args.speed_batch)
         return 0
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
     unknown = [n for n in names if n not in PARTS]

@@ -31,6 +31,7 @@ RESULT_PREFIX = "@gpu-check "
 class Settings:
     device: str  # "cuda" or "cpu" (the same code, to try it without a GPU)
     tiny: bool  # small sizes, for a CPU run in seconds
+    speed_batch: int = 8  # the speed part's batch of GPT-2 sequences
 
     @property
     def torch_device(self) -> torch.device:

@@ -100,23 +100,27 @@ def make_step(model: Any, optimizer: torch.optim.Optimizer, batch: tuple, settin
 def timed_steps(step: Step, count: int, settings: Settings, host: list[float] | None = None) -> list[float]:
     """Seconds per step: CUDA events on the GPU (the device's timeline, launch gaps included). `host` gets the
     host's seconds per step (the time to queue it): near the device's, the step is bound by the host."""
-    host = [] if host is None else host
     if settings.device != "cuda":
         times = []
         for _ in range(count):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        host += times
+        if host is not None:
+            host += times
         return times
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)]
     for start, end in events:
-        began = time.perf_counter()
         start.record()
         step()
         end.record()
-        host.append(time.perf_counter() - began)
     torch.cuda.synchronize()
+    if host is not None:  # a few more steps, each queued on an idle GPU: the host's own time per step
+        for _ in range(3):
+            began = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - began)
+            torch.cuda.synchronize()
     return [start.elapsed_time(end) / 1000 for start, end in events]
 
 
@@ -199,7 +203,7 @@ def part_speed(settings: Settings) -> None:
         batch_size, rounds, steps, warmup = 2, 2, 2, 1
     else:
         config = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-        batch_size, rounds, steps, warmup = 8, 3, 10, 3
+        batch_size, rounds, steps, warmup = settings.speed_batch, 3, 10, 3
     batch = token_batches(config, 1, batch_size)[0]
     params = GPT.count_parameters(config)
     peak, tokens = gpu_peak(), batch_size * config.block_size
@@ -211,7 +215,7 @@ def part_speed(settings: Settings) -> None:
             mfu = flops_per_step(config, params, tokens) / median / peak if peak else None
             report("speed", table="gpt2", variant=name, step_ms=median * 1e3, tokens_per_s=tokens / median,
                    mfu=mfu, memory_mib=results[name]["memory"] / 2**20, steps=len(results[name]["times"]),
-                   host_ms=statistics.median(results[name]["host"]) * 1e3,
+                   host_ms=statistics.median(results[name]["host"]) * 1e3, batch=batch_size,
                    fastest_ms=min(results[name]["times"]) * 1e3)
     _report_compilation()
 

@@ -22,18 +22,26 @@ SAVED_BY_SELECTIVE = {_aten.mm, _aten.addmm, *ATTENTION_FORWARD}
 
 
 def selective_policy() -> Callable[..., CheckpointPolicy]:
-    matmuls = {"count": 0}
+    """One checkpointed call's policy (make a fresh one per call: `selective_context`). The forward and the
+    recompute count their matmuls apart, so both pick the same ones (one counter would flip the parity in the
+    recompute whenever a forward has an odd number of matmuls, and hand the recompute the wrong saved outputs)."""
+    matmuls = {False: 0, True: 0}  # by ctx.is_recompute
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if func._overloadpacket in (_aten.mm, _aten.addmm):
-            matmuls["count"] += 1
-            if matmuls["count"] % 2 == 0:  # every second matmul is recomputed, as in torchtitan
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:  # every second matmul is recomputed, as in torchtitan
                 return CheckpointPolicy.PREFER_RECOMPUTE
         if func._overloadpacket in SAVED_BY_SELECTIVE:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+def selective_context() -> Any:
+    """A `context_fn` for torch.utils.checkpoint: torchtitan's selective policy, fresh for each call."""
+    return create_selective_checkpoint_contexts(selective_policy())
 
 
 def checkpoint_modules(model: nn.Module, checkpointed: Callable[[nn.Module, str], bool] | None,
@@ -46,8 +54,7 @@ def checkpoint_modules(model: nn.Module, checkpointed: Callable[[nn.Module, str]
         if not name or not checkpointed(module, name) or any(name.startswith(p + ".") for p in picked):
             continue
         picked.append(name)
-        context = (functools.partial(create_selective_checkpoint_contexts, selective_policy())
-                   if mode == "selective" else None)
+        context = selective_context if mode == "selective" else None
         extra = {"context_fn": context} if context is not None else {}
         if context is not None and "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
             extra["respect_saved_tensors_hooks"] = False  # SAC's saved outputs are counted as alive, not saved
