@@ -56,6 +56,7 @@ class ReplicatedGradients:
         self.zeroed = [True] * n  # regions known to hold zeros
         self.used: list[bool] | None = None  # by the last reduction; None while nothing is reduced
         self._used_pending: torch.Tensor | None = None  # the last reduction's flags, not yet read by the host
+        self._all_used_here = False  # this rank had a gradient for every trainable parameter (known_flags)
         self._work: Work = None
         self._launched = False
         sharded = unit.spec.shard_optimizer_state
@@ -90,6 +91,7 @@ class ReplicatedGradients:
                 self.views[index].zero_()
                 self.zeroed[index] = True
         fill_flags(self.flags, has_grad)
+        self._all_used_here = has_grad == self.unit.trainable
         self._work = all_reduce_sum(self.buffer, self.unit.groups.everyone, self.unit.stats, async_op=True,
                                     unit=self.unit.name)
         self._launched = True
@@ -102,7 +104,8 @@ class ReplicatedGradients:
         self._work, self._launched = None, False
         if self.unit.groups.data_parallel_size > 1:
             self.buffer.div_(self.unit.groups.data_parallel_size)
-        self._used_pending = self.flags > 0  # read with every unit's at the end of backward (read_used_flags)
+        # Read with every unit's at the end of backward (read_used_flags), unless this rank's own flags settle it.
+        self._used_pending = known_flags(self.unit) if self._all_used_here else self.flags > 0
         self.own = self._own_view()  # (a copy in the master's dtype under mixed precision)
 
     def pending_flags(self) -> torch.Tensor | None:
@@ -185,6 +188,8 @@ class ShardedGradients:
         # this unit's previous reduction is done, which every backward waits for).
         self._flags = torch.ones(len(unit.params), dtype=unit.reduce_dtype, device=unit.device)
         self._flags_values = [True] * len(unit.params)
+        self._all_used_here = False  # in the reduction being formed: this rank used every trainable parameter
+        self._all_used_pending = False  # some reduction not yet read was one of those (known_flags)
         # Fixed for the unit's life, so worked out once (these run for every unit at every step).
         self._scale = 1.0 / unit.groups.data_parallel_size
         self._offloaded = unit.shard_device != unit.device
@@ -239,6 +244,7 @@ class ShardedGradients:
         if values != self._flags_values:
             fill_flags(self._flags, values)
             self._flags_values = values
+        self._all_used_here = values == unit.trainable
         flags = self._flags
         flat = [None if g is None else _flat(g) if g.dtype == dtype else _flat(g).to(dtype) for g in grads]
         parts = []
@@ -330,6 +336,7 @@ class ShardedGradients:
         """Fold one averaged reduction (this rank's slice, then the used flags) into the gradient shard."""
         size, scale = self.size, self._scale
         self._used_on_device.append(reduced[size:])  # (compared with 0 for every unit at once: read_used_flags)
+        self._all_used_pending |= self._all_used_here
         if self.shard is None:  # the first reduction since zero: the averaged output becomes the gradient
             self.shard = reduced[:size].mul_(scale) if scale != 1.0 else reduced[:size]
             self._generation += 1
@@ -349,6 +356,8 @@ class ShardedGradients:
         self._arriving.clear()
         if not self._used_on_device:
             return None
+        if self._all_used_pending:
+            return known_flags(self.unit)
         flags = self._used_on_device[0]
         for more in self._used_on_device[1:]:
             flags = flags + more
@@ -357,6 +366,7 @@ class ShardedGradients:
     def take_flags(self, used: torch.Tensor) -> None:
         self.used |= used
         self._used_on_device.clear()
+        self._all_used_pending = False
 
     def attach(self) -> None:
         """Point each trainable shard parameter's `.grad` at its slice, and give each parameter of the model a
@@ -454,10 +464,26 @@ def launch_together(stores: list[ShardedGradients]) -> None:
         store._output, store._work = piece, work
 
 
+def known_flags(unit: ShardUnit) -> torch.Tensor:
+    """The used flags of a reduction in which this rank had a gradient for every trainable parameter: then
+    every rank's sum is above 0 there, and no rank has one for a frozen parameter. A host tensor: reading it
+    costs no wait for the GPU (the usual step, where every parameter is used, never waits)."""
+    return torch.tensor(unit.trainable, dtype=torch.bool)
+
+
 def read_used_flags(stores: list) -> None:
     """Bring the pending "used" flags of `stores` to the host with one copy: each copy from the GPU waits for
-    everything queued before it, so one per unit would stall the host many times per backward."""
-    pending = [(store, flags) for store in stores if (flags := store.pending_flags()) is not None]
+    everything queued before it, so one per unit would stall the host many times per backward. Flags already
+    on the host (known_flags) are taken as they are."""
+    pending = []
+    for store in stores:
+        flags = store.pending_flags()
+        if flags is None:
+            continue
+        if flags.dtype == torch.bool and flags.device.type == "cpu":
+            store.take_flags(flags)
+        else:
+            pending.append((store, flags))
     if not pending:
         return
     # (a store's flags are booleans or counts of ranks: used where above 0, compared once for every store)
