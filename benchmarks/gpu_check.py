@@ -53,7 +53,7 @@ PARTS: dict[str, Part] = {
     "auto": Part("correctness", "part_auto", 120, 1),
     "two_ranks": Part("two_ranks", "part_two_ranks", 240, 4),
     "streams": Part("streams", "part_streams", 120, 1, speed=True),
-    "speed": Part("speed", "part_speed", 240, 0, speed=True),
+    "speed": Part("speed", "part_speed", 240, 1, speed=True, cpu_checks=0),
     "overhead": Part("speed", "part_overhead", 120, 0, speed=True),
     "forecast": Part("speed", "part_forecast", 120, 0, speed=True),
 }

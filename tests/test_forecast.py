@@ -137,6 +137,36 @@ def test_selective_checkpointing_recomputes_less_than_full():
         plan_memory(model, checkpoint_mode="some", **common)
 
 
+def test_selective_checkpointing_recomputes_what_the_forward_did_not_save():
+    """torchtitan's policy (every second matmul saved) decides each matmul alike in the forward and in the
+    recompute. One counter shared by both flipped the parity in the recompute of a block with an odd number of
+    matmuls (7 here, as in a Llama block) and handed it the wrong saved outputs: a shape error on an H100 under
+    torch 2.11, which asks the policy again in the recompute (2.14 replays the forward's decisions)."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import checkpoint
+
+    from examples.llama import Block as LlamaBlock
+    from examples.llama import LlamaConfig
+    from strategies.plan.checkpointing import selective_context, selective_policy
+
+    policy, mm = selective_policy(), torch.ops.aten.mm.default
+    forward = [policy(SimpleNamespace(is_recompute=False), mm).name for _ in range(7)]
+    recompute = [policy(SimpleNamespace(is_recompute=True), mm).name for _ in range(7)]
+    assert recompute == forward and forward.count("MUST_SAVE") == 4
+
+    torch.manual_seed(0)
+    block = LlamaBlock(LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96,
+                                   max_seq_len=16))
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    for _ in range(2):  # a fresh policy per call: the second call decides as the first
+        checkpoint(block, x, use_reentrant=False, context_fn=selective_context).sum().backward()
+    checkpointed, x.grad = x.grad.clone(), None
+    for _ in range(2):
+        block(x).sum().backward()
+    torch.testing.assert_close(checkpointed, x.grad, rtol=0, atol=0)
+
+
 def test_a_huggingface_model_is_planned_and_forecast_as_it_comes():
     """A transformers causal LM given as a plain nn.Module returns a ModelOutput: its logits are what is trained."""
     from transformers import GPT2Config, GPT2LMHeadModel

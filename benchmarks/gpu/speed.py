@@ -23,7 +23,7 @@ import torch
 from examples.gpt import GPT, Block, GPTConfig
 from strategies import FSDPStrategy, get_strategy
 
-from .common import Settings, lm_loss, new_gpt, one_rank_collectives, report, token_batches
+from .common import Settings, check, lm_loss, new_gpt, one_rank_collectives, report, token_batches
 
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s by the vendors' datasheets
 Step = Callable[[], None]
@@ -125,7 +125,7 @@ def timed_steps(step: Step, count: int, settings: Settings, host: list[float] | 
 
 
 def run_interleaved(variants: list[str], config: GPTConfig, batch: tuple, settings: Settings, rounds: int,
-                    steps: int, warmup: int) -> dict[str, dict[str, Any]]:
+                    steps: int, warmup: int, profiled: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Each round runs every variant's `steps` (rotating which goes first). Variants are built in round one;
     a variant's memory is its peak over that first run less what was allocated before it was built."""
     built: dict[str, Step] = {}
@@ -142,10 +142,9 @@ def run_interleaved(variants: list[str], config: GPTConfig, batch: tuple, settin
                     timed_steps(built[name], warmup, settings)
                     results[name]["memory"] = _peak(settings) - before
                 results[name]["times"] += timed_steps(built[name], steps, settings, results[name]["host"])
-    if PROFILED:
-        for name in (n for n in variants if n in PROFILED):
-            with collectives_of(name):
-                profile_steps(name, built[name], settings)
+    for name in (n for n in variants if n in profiled):
+        with collectives_of(name):
+            profile_steps(name, built[name], settings)
     return results
 
 
@@ -170,7 +169,7 @@ def _peak(settings: Settings) -> int:
 # Variants of the GPT-2 table profiled for 3 steps after timing: where the host's time goes and how often it
 # waits for the device (the profile of the many-GPU path against plain torch's).
 PROFILED = ("torch", "fsdp@nccl")
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ", "cudaMemcpy")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 def profile_steps(name: str, step: Step, settings: Settings, steps: int = 3) -> None:
@@ -185,10 +184,16 @@ def profile_steps(name: str, step: Step, settings: Settings, steps: int = 3) -> 
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    waits = {e.key: e.count // steps for e in events if e.key.startswith(SYNCS)}
+    waits = {e.key: e.count for e in events if e.key.startswith(SYNCS)}
+    waits["cudaDeviceSynchronize"] = waits.get("cudaDeviceSynchronize", 1) - 1  # the profile's own, at the end
+    waits = {key: count / steps for key, count in waits.items() if count}
     busiest = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
     top = ", ".join(f"{e.key} {e.self_cpu_time_total / steps / 1e3:.2f} ms x{e.count // steps}" for e in busiest)
     report("note", text=f"profile {name} per step: host waits {waits or 'none'}; host self time: {top}")
+    if name.startswith("fsdp"):  # every parameter is used, so the used flags are known on the host (gradients.py)
+        stalls = sum(n for key, n in waits.items() if "Synchronize" in key)
+        check("fsdp, many-GPU path: the host never waits for the GPU inside a step", stalls == 0,
+              f"{stalls:g} synchronizations per step (cudaMemcpyAsync calls, device-to-device, do not wait)")
     out = os.environ.get("OUT")
     if out:
         prof.export_chrome_trace(os.path.join(out, f"speed_{name.replace('@', '_')}.json"))
@@ -209,7 +214,7 @@ def part_speed(settings: Settings) -> None:
     peak, tokens = gpu_peak(), batch_size * config.block_size
     groups = [["torch", "fully_shard", "ddp", "zero2", "fsdp", "fsdp@nccl"], ["torch+compile", "fsdp+compile"]]
     for variants in groups:
-        results = run_interleaved(variants, config, batch, settings, rounds, steps, warmup)
+        results = run_interleaved(variants, config, batch, settings, rounds, steps, warmup, PROFILED)
         for name in variants:
             median = statistics.median(results[name]["times"])
             mfu = flops_per_step(config, params, tokens) / median / peak if peak else None
