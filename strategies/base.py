@@ -23,6 +23,7 @@ from .checkpoint import loop_state
 from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec, gradient_access, observe
 from .sharding import state_dict as engine_state
+from .sharding.engine import engine_of
 from .sharding.init_record import InitRecord
 from .step_trace import ALL_REDUCE, Collective, StepTrace, identity
 
@@ -272,6 +273,7 @@ class Strategy:
         """
         if not self._connected:
             self.connect(*_environment())
+        take_back(module)
         # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         record, self._init_record = self._init_record, None
@@ -516,6 +518,14 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def take_back(module: nn.Module) -> None:
+    """If a strategy set `module` up before (a fit by another Trainer), make it an ordinary module again: full
+    parameters of its own, no hooks (ShardingEngine.release; collective under fsdp). Nothing otherwise."""
+    previous = engine_of(module)
+    if previous is not None:
+        previous.release()
 
 
 def _environment() -> tuple[torch.device, int, int]:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from strategies import FSDPStrategy
 from strategies.sharding.placeholder import ShardedParameterError
 from tests.test_lightning import QUIET, BoringModel, RandomDataset, make_strategy
 from tests.test_parity import max_relative_difference
@@ -165,3 +166,45 @@ def test_a_sharded_optimizers_state_dict_is_refused_on_another_rank(rank_pool, t
     assert rank0 == {"rank 0's": "loaded", "own": "loaded"}
     assert rank1["own"] == "loaded"
     assert "holds rank 0's shard of 2 ranks" in rank1["rank 0's"] and "strategy.save(path" in rank1["rank 0's"]
+
+
+# ------------------------------------------------------------------ a second Trainer on the same module
+
+
+class TwoLayers(BoringModel):
+    """Lightning's BoringModel with a second layer, so that fsdp's per-layer units hold something each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def two_phases(name: str | None, devices: int) -> tuple[TwoLayers, list[float]]:
+    """Fit, then fit the same module again with a new Trainer (a second phase, as Lightning users do), the
+    second in bf16-true (the new Trainer converts the module before its strategy sets it up)."""
+    torch.manual_seed(0)
+    module, weights = TwoLayers(), []
+    for precision in ("32", "bf16-true"):
+        strategy = (FSDPStrategy(auto_wrap_policy={nn.Linear}) if name == "fsdp" else name) or "auto"
+        trainer = Trainer(strategy=strategy, devices=devices, max_steps=4, precision=precision, **QUIET)
+        trainer.fit(module, DataLoader(RandomDataset(32, 64), batch_size=8 // devices))
+        weights.append(trainer.strategy.full_state_dict())
+    return module, weights
+
+
+def body_second_trainer(name: str) -> dict:
+    _, weights = two_phases(name, dist.get_world_size())
+    return {"weights": weights}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_second_trainer_fits_the_same_module_as_one_process_does(rank_pool, name):
+    """Under every strategy the second fit starts from the first one's weights, as in one process: the new
+    strategy takes the module back from the engine that had it (fsdp: its shards gathered) before setting up."""
+    _, want = two_phases(None, 1)
+    for result in rank_pool(2).run(body_second_trainer, name):
+        for got, expected, tolerance in zip(result["weights"], want, (1e-5, 2e-2)):  # fp32, then bf16 (~2 ulps)
+            assert max_relative_difference(got, expected) < tolerance

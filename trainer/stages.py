@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from strategies.base import take_back
+
 from .data.loaders import distributed_loader
 from .datamodule import DataModule, prepare_data
 from .module import TrainModule
@@ -34,6 +36,7 @@ def setup_stage(trainer: Trainer, module: Any, stage: str, datamodule: DataModul
     if module is trainer.module:
         return module
     trainer.module = module
+    take_back(module)  # fit before by another Trainer: its hooks and shards go before anything reads the module
     with trainer.strategy.model_init_context():  # (fsdp: on meta, recorded; the dtype conversion too)
         module.configure_model()
         trainer.precision.convert_module(module)

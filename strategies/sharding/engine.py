@@ -33,6 +33,7 @@ from .groups import make_groups
 from .init_record import InitRecord
 from .materialize import has_meta_buffers, materialize, replace_meta_parameters
 from .optimizer_record import mark_state_dicts
+from .placeholder import mark_unsharded
 from .sharded_gradient import GradientNorms, ShardedGradient
 from .spec import ZERO2, ShardingSpec, UnitOptions
 from .unit import ShardUnit
@@ -98,6 +99,7 @@ class ShardingEngine:
         self.forward_hooks = ForwardHooks(self, reshard_after_forward, forward_context)
         if self.spec.shard_parameters or self.unit_options.param_dtype is not None:
             self._hooks += self.forward_hooks.register()
+        _ENGINE_OF[module] = weakref.ref(self)
 
     # ---- setup --------------------------------------------------------------------------------------
     def _broadcast_buffers(self) -> None:
@@ -195,6 +197,25 @@ class ShardingEngine:
 
         owner.zero_grad = zero_grad
         self._hooks.append(_InstanceAttribute(owner, "zero_grad"))
+
+    def release(self) -> None:
+        """Hand the model back as an ordinary module: every parameter full, in master precision and in a tensor
+        of its own (no view of the engine's buffers), no gradient, no hooks. Collective under fsdp. The next
+        strategy to set up the same module (a second Trainer's fit) calls it, as Lightning lets a module be fit
+        again by a new Trainer."""
+        if self.in_backward:
+            raise RuntimeError("the model cannot be handed to another strategy during backward")
+        for unit in self.units:
+            unit.reshard()
+        with torch.no_grad():
+            for unit, (_, fulls) in zip(self.units, self.iter_full_parameters()):
+                for p, full in zip(unit.params, fulls):
+                    mark_unsharded(p)
+                    p.data = full.detach().clone()
+                    p.grad = None
+        self.remove_hooks()
+        if engine_of(self.module) is self:
+            del _ENGINE_OF[self.module]
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model: after this the model's forward and backward are plain again
@@ -444,6 +465,17 @@ class ShardingEngine:
     def _write_full_parameter(self, param: nn.Parameter, value: torch.Tensor) -> None:
         unit, index = self._unit_of_param[id(param)]
         unit.write_full_parameter(index, value)
+
+
+# The engine that set each model up (weakly: a model dropped with its engine leaves nothing behind), so that another
+# strategy setting up the same model can first take it back from that engine (release).
+_ENGINE_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def engine_of(module: nn.Module) -> ShardingEngine | None:
+    """The live engine `module` was set up by, if any."""
+    ref = _ENGINE_OF.get(module)
+    return ref() if ref is not None else None
 
 
 def _nothing_to_shard(spec: ShardingSpec, ranks: int, options: UnitOptions, forward_context: Any) -> bool:
