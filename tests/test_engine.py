@@ -751,6 +751,30 @@ def test_gloo_all_gather_and_reduce_scatter_by_point_to_point_messages_are_exact
         assert rank_pool(world_size).run(body_gloo_collectives_in_chunks) == [(True, True, True, True)] * world_size
 
 
+def body_gloo_exchanges_through_host_copies() -> tuple[bool, bool]:
+    """What gloo does for tensors on a GPU (its point-to-point messages take host memory only), run here on CPU
+    tensors: the exchange fills a host copy of the output, then the reduce-scatter adds this rank's own part,
+    then the result is copied back into the output (in that order)."""
+    from strategies.sharding import collectives
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    grads = torch.arange(6.0 * size) * (rank + 1)
+    parts = [[grads[r * 6 : (r + 1) * 6]] for r in range(size)]
+    out = torch.full((6,), -1.0)
+    collectives._through_host(out, lambda host: collectives._gloo_reduce_scatter(host, parts, None, None)).wait()
+    total = sum(r + 1 for r in range(size))
+    reduced = torch.equal(out, torch.arange(6.0 * rank, 6.0 * (rank + 1)) * total)
+    full = torch.full((4 * size,), -1.0)
+    shard = torch.arange(4.0) + 10 * rank
+    collectives._through_host(full, lambda host: collectives._gloo_all_gather(host, shard, None, None)).wait()
+    gathered = torch.equal(full, torch.cat([torch.arange(4.0) + 10 * r for r in range(size)]))
+    return reduced, gathered
+
+
+def test_gloo_exchanges_for_gpu_tensors_go_through_host_copies_in_order(rank_pool):
+    assert rank_pool(2).run(body_gloo_exchanges_through_host_copies) == [(True, True)] * 2
+
+
 # --------------------------------------------------------------- lifetime
 
 
