@@ -120,7 +120,11 @@ class ForwardHooks:
         args, kwargs = self._cast_inputs(unit, args, kwargs)
         self.order.append(unit)
         self._prefetch(self._ahead(self.last_order, len(self.order), +1))
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and unit.trainable_count < len(unit.params):
+            # A frozen parameter has no gradient to say when backward is done with it: the unit's backward ends
+            # when its inputs' gradients exist. When every parameter is trainable, the last of their gradients
+            # is that moment already (each backward node that reads a parameter gives it a gradient, so all have
+            # run by then), and the unit needs no autograd Function on its inputs.
             args, kwargs, unit.inputs_need_grad = call_after_inputs_grad(
                 args, kwargs, lambda: self._on_inputs_grad(unit)
             )
