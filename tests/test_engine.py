@@ -775,6 +775,40 @@ def test_gloo_exchanges_for_gpu_tensors_go_through_host_copies_in_order(rank_poo
     assert rank_pool(2).run(body_gloo_exchanges_through_host_copies) == [(True, True)] * 2
 
 
+def body_units_freed_during_backward(frozen: bool) -> list[list[str]]:
+    """Each Linear is a unit; when a unit's backward starts, which units are still gathered."""
+    from strategies.sharding.unit import ParamState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(5)))
+    if frozen:  # a frozen parameter per unit: the end of its backward is found from its input's gradient
+        for layer in model:
+            layer.bias.requires_grad_(False)
+    strategy = FSDPStrategy(auto_wrap_policy={nn.Linear})
+    model = strategy.setup_module(model)
+    units = {u.module: u for u in strategy.engine.units if u.module is not None and u.module is not model}
+    seen = []
+
+    def record(module: nn.Module, _grad: tuple) -> None:
+        seen.append([str(i) for i, layer in enumerate(model) if units[layer].state is not ParamState.SHARDED])
+
+    for layer in model:
+        layer.register_full_backward_pre_hook(record)
+    x = torch.randn(4, 16, requires_grad=True)  # (so that the first unit's input wants a gradient too)
+    model(x).sum().backward()
+    return seen
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["all trainable", "a frozen parameter per unit"])
+def test_fsdp_frees_each_units_parameters_once_its_backward_is_done(rank_pool, frozen):
+    """When unit k's backward starts, every unit after k+1 is sharded again (k+1 may still be finishing, k-1 is
+    prefetched): gathered memory stays at a few units through backward, as in FSDP2."""
+    for seen in rank_pool(2).run(body_units_freed_during_backward, frozen):
+        assert len(seen) == 5, seen
+        for k, gathered in zip(range(4, -1, -1), seen):
+            assert all(int(i) <= k + 1 for i in gathered), (k, seen)
+
+
 # --------------------------------------------------------------- lifetime
 
 
