@@ -324,20 +324,6 @@ class StepActivations:
         return max(0, self.live - self.saved)
 
 
-def activation_bytes(
-    model: nn.Module,
-    batch_size: int,
-    seq_len: int | None = None,
-    precision: str = "32",
-    param_dtype: torch.dtype | None = None,
-    checkpointed: Callable[[nn.Module, str], bool] | None = None,
-    sample: Any = None,
-) -> int:
-    """Peak bytes autograd holds for backward in one training step of `model` (whose parameters are swapped for
-    fake tensors: pass a copy). `checkpointed` is an activation-checkpointing policy (module, name) -> bool."""
-    return step_activations(model, batch_size, seq_len, precision, param_dtype, checkpointed, sample).saved
-
-
 def step_activations(
     model: nn.Module,
     batch_size: int,
@@ -348,7 +334,9 @@ def step_activations(
     sample: Any = None,
     selective: bool = False,
 ) -> StepActivations:
-    """activation_bytes' pass, with the peak of everything alive in it as well. `selective`: the checkpointed
+    """Peak bytes autograd holds for backward in one training step of `model` (whose parameters are swapped for
+    fake tensors: pass a copy; `checkpointed` is an activation-checkpointing policy (module, name) -> bool), with
+    the peak of everything alive in it as well. `selective`: the checkpointed
     modules run under torch.utils.checkpoint with torchtitan's per-op policy (checkpointing.py), whose saved
     outputs count as alive."""
     if selective and checkpointed is not None:

@@ -57,6 +57,7 @@ class ReplicatedGradients:
         self.used: list[bool] | None = None  # by the last reduction; None while nothing is reduced
         self._used_pending: torch.Tensor | None = None  # the last reduction's flags, not yet read by the host
         self._all_used_here = False  # this rank had a gradient for every trainable parameter (known_flags)
+        self._known_flags = known_flags(unit)  # made once: read, never written
         self._work: Work = None
         self._launched = False
         sharded = unit.spec.shard_optimizer_state
@@ -105,7 +106,7 @@ class ReplicatedGradients:
         if self.unit.groups.data_parallel_size > 1:
             self.buffer.div_(self.unit.groups.data_parallel_size)
         # Read with every unit's at the end of backward (read_used_flags), unless this rank's own flags settle it.
-        self._used_pending = known_flags(self.unit) if self._all_used_here else self.flags > 0
+        self._used_pending = self._known_flags if self._all_used_here else self.flags > 0
         self.own = self._own_view()  # (a copy in the master's dtype under mixed precision)
 
     def pending_flags(self) -> torch.Tensor | None:
@@ -190,6 +191,7 @@ class ShardedGradients:
         self._flags_values = [True] * len(unit.params)
         self._all_used_here = False  # in the reduction being formed: this rank used every trainable parameter
         self._all_used_pending = False  # some reduction not yet read was one of those (known_flags)
+        self._known_flags = known_flags(unit)  # made once: read, never written
         # Fixed for the unit's life, so worked out once (these run for every unit at every step).
         self._scale = 1.0 / unit.groups.data_parallel_size
         self._offloaded = unit.shard_device != unit.device
@@ -357,7 +359,7 @@ class ShardedGradients:
         if not self._used_on_device:
             return None
         if self._all_used_pending:
-            return known_flags(self.unit)
+            return self._known_flags
         flags = self._used_on_device[0]
         for more in self._used_on_device[1:]:
             flags = flags + more
