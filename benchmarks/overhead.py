@@ -27,6 +27,7 @@ import argparse
 import datetime
 import os
 import platform
+import resource
 import shlex
 import socket
 import statistics
@@ -103,21 +104,27 @@ def make_step(model: Any, optimizer: torch.optim.Optimizer, rank: int, strategy:
     return step
 
 
-def timed(step: Step, count: int, barrier: bool) -> list[tuple[float, float]]:
-    """(wall, process CPU) seconds of each step."""
+def timed(step: Step, count: int, barrier: bool) -> list[tuple[float, float, int]]:
+    """(wall, process CPU) seconds and the process's minor page faults of each step."""
     times = []
     for _ in range(count):
         if barrier:
             dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, faults = time.perf_counter(), time.process_time(), minor_faults()
         step()
         if barrier:
             dist.barrier()
-        times.append((time.perf_counter() - start, time.process_time() - cpu))
+        times.append((time.perf_counter() - start, time.process_time() - cpu, minor_faults() - faults))
     return times
 
 
-Times = dict[str, list[list[tuple[float, float]]]]  # by variant, by round: (wall, CPU) of each step
+def minor_faults() -> int:
+    """Page faults of this process so far: memory that the C allocator handed back to the system and takes again
+    (glibc returns the top of its heap once enough of it is free) costs one per page touched."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+Times = dict[str, list[list[tuple[float, float, int]]]]  # by variant, by round: (wall, CPU, faults) of each step
 
 
 def run_interleaved(variants: list[str], rounds: int, steps: int, warmup: int, rank: int, barrier: bool) -> Times:
@@ -133,7 +140,7 @@ def run_interleaved(variants: list[str], rounds: int, steps: int, warmup: int, r
     return times
 
 
-def summary(rounds: list[list[tuple[float, float]]], which: int) -> tuple[float, float]:
+def summary(rounds: list[list[tuple[float, float, int]]], which: int) -> tuple[float, float]:
     """Of wall (which=0) or CPU (1) time: the median over every timed step, and the spread (the range of the
     per-round medians over that median)."""
     median = statistics.median(t[which] for r in rounds for t in r)
@@ -156,8 +163,8 @@ def part_one(args: argparse.Namespace) -> None:
     print(f"\nworld size 1 ({args.rounds} rounds x {args.steps} steps per variant; extra per unit = (median - "
           f"torch's median) / {UNITS} units; host = the process's CPU time)\n")
     print("| variant | median step (ms) | spread | extra per unit (us) | host per step (ms) | spread | "
-          "extra host per unit (us) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "extra host per unit (us) | page faults per step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     extra: dict[str, list[float]] = {}
     for name, rounds in times.items():
         cells = []
@@ -166,6 +173,7 @@ def part_one(args: argparse.Namespace) -> None:
             plain = summary(times["torch"], which)[0] if "torch" in times else float("nan")
             extra.setdefault(name, []).append((median - plain) / UNITS * 1e6)
             cells += [f"{median * 1e3:.2f}", f"{spread:.0%}", f"{extra[name][which]:+.0f}"]
+        cells.append(f"{statistics.median(t[2] for r in rounds for t in r):.0f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
     for a, b in (("fsdp@many", "zero2@many"), ("fsdp@many", "fully_shard")):
         if a in extra and b in extra:
@@ -197,8 +205,8 @@ def part_two(args: argparse.Namespace) -> None:
         p.join()
     print(f"\n2 gloo ranks ({args.rounds} rounds x {args.steps} steps per variant; rank 0, between barriers; "
           "CPU: rank 0's process, gloo's threads included)\n")
-    print("| variant | median step (ms) | spread | vs torch | CPU per step (ms) | vs torch |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| variant | median step (ms) | spread | vs torch | CPU per step (ms) | vs torch | page faults per step |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     counterpart = {"ddp": "torch-ddp", "zero2": "torch-ddp", "fsdp": "fully_shard"}
     for name, rounds in times.items():
         (wall, spread), (cpu, _) = summary(rounds, 0), summary(rounds, 1)
@@ -208,7 +216,9 @@ def part_two(args: argparse.Namespace) -> None:
                       f"{cpu / summary(times[other], 1)[0]:.2f} x"]
         else:
             ratios = ["", ""]
-        print(f"| {name} | {wall * 1e3:.2f} | {spread:.0%} | {ratios[0]} | {cpu * 1e3:.2f} | {ratios[1]} |")
+        faults = statistics.median(t[2] for r in rounds for t in r)
+        print(f"| {name} | {wall * 1e3:.2f} | {spread:.0%} | {ratios[0]} | {cpu * 1e3:.2f} | {ratios[1]} "
+              f"| {faults:.0f} |")
 
 
 def free_port() -> int:

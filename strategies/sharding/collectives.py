@@ -129,7 +129,7 @@ def _alone(group: Any) -> bool:
     if not dist.is_initialized():
         return True
     size, on_gloo = _facts(group)
-    return size == 1 and not (one_rank_collectives() and not on_gloo)
+    return size == 1 and (on_gloo or not one_rank_collectives())  # (gloo first: the variable is read per call)
 
 
 def _on_gloo(group: Any) -> bool:
