@@ -298,8 +298,9 @@ class ShardedGradients:
             self._start_across_groups()
 
     def _wait_reduce_scatter(self) -> None:
-        with self.unit.naming_failures("gradient reduction"):
-            wait(self._work)
+        if self._work is not None:  # (None: done already, as on one rank)
+            with self.unit.naming_failures("gradient reduction"):
+                wait(self._work)
         with metadata_access():  # (the parameters are usually sharded again: placeholders)
             for p in self.unit.params:
                 p.grad = None

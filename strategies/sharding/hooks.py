@@ -53,10 +53,22 @@ def call_after_inputs_grad(
 
 
 def call_before_outputs_grad(output: Any, callback: Callable[[], None]) -> None:
-    """Run `callback` when the first gradient for any of the module's outputs arrives."""
+    """Run `callback` when the first gradient for any of the module's outputs arrives: before the autograd node
+    that made an output runs (a node's pre-hook costs less to register than a tensor hook, which runs at the same
+    moment), or when a leaf output's own gradient arrives."""
+    def hook(_grads: Any) -> None:  # (returns None: the gradients go on unchanged)
+        callback()
+
+    hooked: list[Any] = []
     for t in _flatten(output):
-        if t.requires_grad:
-            t.register_hook(lambda grad: (callback(), None)[1])
+        if not t.requires_grad:
+            continue
+        node = t.grad_fn
+        if node is None:
+            t.register_hook(hook)
+        elif not any(node is done for done in hooked):
+            node.register_prehook(hook)
+            hooked.append(node)
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:

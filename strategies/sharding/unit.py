@@ -21,7 +21,7 @@ from .collectives import CommStats, Work, all_gather, wait
 from .gradients import NoGradients, ReplicatedGradients, ShardedGradients
 from .groups import Groups
 from .layout import FlatLayout, Piece
-from .placeholder import mark_sharded, mark_unsharded
+from .placeholder import label_sharded, mark_all_sharded, mark_all_unsharded
 from .spec import ShardingSpec, UnitOptions
 
 
@@ -69,6 +69,8 @@ class ShardUnit:
         self.input_dtype: torch.dtype | None = None  # of the last forward's input (full-precision norm units)
         self.reset_backward_state()
         if spec.shard_parameters:
+            for param_name, p in zip(self.param_names, self.params):
+                label_sharded(p, param_name, name, self.world_size)
             self.reshard()
 
     # ---- construction -------------------------------------------------------------------------------
@@ -162,21 +164,22 @@ class ShardUnit:
                 own.copy_(master.to(own.device, non_blocking=True))  # moved, then cast on the device
             else:
                 own.copy_(master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
-            self._gather_works.append(all_gather(whole, own, self.groups.shard, self.stats, async_op=True,
-                                                  unit=self.name))
+            work = all_gather(whole, own, self.groups.shard, self.stats, async_op=True, unit=self.name)
+            if work is not None:  # (one rank: the copy above was the gather)
+                self._gather_works.append(work)
         self.state = ParamState.UNSHARDING
         if not async_op:
             self.wait_unshard()
 
     def wait_unshard(self) -> None:
         if self.state is ParamState.UNSHARDING:
-            with self.naming_failures("all-gather of the parameters"):
-                for work in self._gather_works:
-                    wait(work)
-            self._gather_works = []
+            if self._gather_works:
+                with self.naming_failures("all-gather of the parameters"):
+                    for work in self._gather_works:
+                        wait(work)
+                self._gather_works = []
             self._point_params_at_full_views()
-            for p in self.params:
-                mark_unsharded(p)
+            mark_all_unsharded(self.params)
             self.state = ParamState.UNSHARDED
 
     def reshard(self) -> None:
@@ -184,7 +187,7 @@ class ShardUnit:
         error naming it until the unit is gathered again (placeholder.py)."""
         if not self.spec.shard_parameters or self.state is ParamState.SHARDED:
             return
-        if any(getattr(work, "abandoned", None) is not None for work in self._gather_works):
+        if self._gather_works and any(getattr(work, "abandoned", None) is not None for work in self._gather_works):
             return  # its gather may still write into the buffer: keep it while the run fails
         self.wait_unshard()
         self.full_flat.untyped_storage().resize_(0)
@@ -193,15 +196,13 @@ class ShardUnit:
 
     def _mark_sharded(self) -> None:
         self._point_params_at_full_views()
-        for name, p in zip(self.param_names, self.params):
-            mark_sharded(p, name, self.name, self.world_size)
+        mark_all_sharded(self.params)
 
     def show_full(self, full: torch.Tensor) -> None:
         """Point the parameters at `full` (a gathered flat buffer in master precision) for reading and writing
         by the user; `hide_full` undoes it, after which the unit is sharded."""
         self._point_params_at(self.layout.views(full))
-        for p in self.params:
-            mark_unsharded(p)
+        mark_all_unsharded(self.params)
 
     def hide_full(self, full: torch.Tensor, write_back: bool) -> None:
         if write_back:
