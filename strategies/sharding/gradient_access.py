@@ -59,7 +59,7 @@ def full_gradients(engine: ShardingEngine) -> dict[str, torch.Tensor]:
             shard = unit.grads.tensors()
             if not shard:  # no gradient since zero_grad (on every rank alike)
                 continue
-            full, used = unit.gather_full(shard[0]), unit.grads.used.tolist()
+            full, used = unit.gather_full(shard[0]), unit.grads.used
         else:
             full, used = unit.grads.flat, [p.grad is not None for p in unit.params]
         for name, view, has, trainable in zip(unit.param_names, unit.layout.views(full), used, unit.trainable):

@@ -170,7 +170,7 @@ class ShardedGradients:
     def __init__(self, unit: ShardUnit) -> None:
         self.unit = unit
         self.shard: torch.Tensor | None = None  # this rank's slice, made by the first reduction after zero
-        self.used = torch.zeros(len(unit.params), dtype=torch.bool)  # since zero, by any rank
+        self.used = [False] * len(unit.params)  # since zero, by any rank (a list: read and set for every unit)
         # Reduced but not yet folded in: "used" flags still on the device (read at the end of backward, one wait
         # for all units instead of one per unit), and offloaded outputs on their way to pinned host memory.
         self._used_on_device: list[torch.Tensor] = []
@@ -348,7 +348,8 @@ class ShardedGradients:
 
     def _settle(self) -> None:
         """Wait for what is still arriving and read the used flags (called before either is looked at)."""
-        read_used_flags([self])
+        if self._used_on_device or self._arriving:
+            read_used_flags([self])
 
     def pending_flags(self) -> torch.Tensor | None:
         """The used flags of the reductions not yet read, as counts of the ranks that used each parameter
@@ -367,7 +368,7 @@ class ShardedGradients:
         return flags
 
     def take_flags(self, used: torch.Tensor) -> None:
-        self.used |= used
+        self.used = [before or now for before, now in zip(self.used, used.tolist())]
         self._used_on_device.clear()
         self._all_used_pending = False
 
@@ -375,7 +376,7 @@ class ShardedGradients:
         """Point each trainable shard parameter's `.grad` at its slice, and give each parameter of the model a
         placeholder `.grad` standing for its gradient (None where no rank had a gradient), as in one process."""
         self._settle()
-        used = self.used.tolist()
+        used = self.used
         views = self.shard.split_with_sizes(self._split_sizes) if self.shard is not None and self._split_index else None
         for i, piece in enumerate(self.pieces):
             shard = self.unit.shard_params[piece.param_index]
@@ -391,7 +392,7 @@ class ShardedGradients:
     def zero(self, indices: list[int], set_to_none: bool = True) -> None:
         self._settle()
         if set_to_none and len(indices) == len(self.unit.params):  # the usual case: every gradient goes
-            self.used.zero_()
+            self.used = [False] * len(self.used)
             if self.shard is not None:
                 self.shard = None
                 self._generation += 1
@@ -403,9 +404,10 @@ class ShardedGradients:
                         p.grad = None
             return
         if set_to_none:
-            self.used[indices] = False
+            for index in indices:
+                self.used[index] = False
         if self.shard is not None:
-            if not set_to_none or self.used.any():
+            if not set_to_none or any(self.used):
                 for piece in self.pieces:
                     if piece.param_index in indices:
                         self.shard[piece.shard_offset : piece.shard_offset + piece.numel].zero_()
@@ -441,7 +443,7 @@ class ShardedGradients:
     def visible_indices(self) -> list[int]:
         """The parameters whose `.grad` is a placeholder (the same on every rank)."""
         self._settle()
-        return [i for i, (used, trainable) in enumerate(zip(self.used.tolist(), self.unit.trainable))
+        return [i for i, (used, trainable) in enumerate(zip(self.used, self.unit.trainable))
                 if used and trainable and self.shard is not None]
 
     def state_token(self) -> tuple[int, int]:
