@@ -231,3 +231,25 @@ def test_a_stream_not_split_by_rank_is_reported_in_the_first_step(rank_pool, tmp
     reported = [w for w in ranks[0] if "same first training batch" in w]
     assert len(reported) == 1 and "split_dataset_by_node" in reported[0], ranks[0]
     assert not [w for w in ranks[1] if "same first training batch" in w]
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate"])
+def test_a_stage_stops_the_persistent_workers_of_its_loaders_when_it_ends(tmp_path, stage):
+    """A loader with persistent workers keeps them (and its iterator) between epochs. Once a stage ends the Trainer
+    stops them, as Lightning does, instead of leaving them to the garbage collector: that finalizes the iterator at
+    any allocation, on one rank, and its worker shutdown then blocked that rank while the other waited in a
+    collective (seen in this file's resume test, in the rank pool)."""
+    import multiprocessing
+
+    class Validated(Regression):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.training_step(batch, batch_idx))
+
+    loader = DataLoader(Augmented(str(tmp_path)), batch_size=BATCH, num_workers=2, persistent_workers=True)
+    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                      enable_model_summary=False, default_root_dir=str(tmp_path))
+    if stage == "fit":
+        trainer.fit(Validated(), loader, loader)
+    else:
+        trainer.validate(Validated(), loader)
+    assert multiprocessing.active_children() == []

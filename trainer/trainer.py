@@ -26,6 +26,7 @@ from .checkpoint import Saver, find_last
 from .checkpoint.dirs import checkpoint_dirs, full_file_problem
 from .data.fit_data import FitLoaders
 from .data.loader_state import LoaderPosition
+from .data.loaders import stop_persistent_workers
 from .datamodule import DataModule, datamodule_in
 from .evaluation.evaluate import evaluate, predict, unless_undefined
 from .evaluation.metrics import MetricCollector
@@ -372,7 +373,10 @@ class Trainer:
             self._restore(ckpt_path, trust_pickled=trust_pickled)
         # SIGTERM stays noted until the stage has ended; the step timer, profiler and divergence check watch the fit
         with self.signal_watch, running(self, "fit"), during_fit(self):
-            StepRunner(self, self._fit_loaders).fit()
+            try:
+                StepRunner(self, self._fit_loaders).fit()
+            finally:
+                self._fit_loaders.stop_workers()
 
     def validate(
         self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
@@ -469,9 +473,12 @@ class Trainer:
         if ckpt_path is not None:
             self._restore(ckpt_path, weights_only=True, trust_pickled=trust_pickled)
         with running(self, stage):
-            if stage == "predict":
-                return predict(self, loader)
-            return [evaluate(self, loader, stage)]
+            try:
+                if stage == "predict":
+                    return predict(self, loader)
+                return [evaluate(self, loader, stage)]
+            finally:
+                stop_persistent_workers(loader)
 
     # ---- memory plan --------------------------------------------------------------------------------
     def plan(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .loaders import limit_batches
+from .loaders import limit_batches, stop_persistent_workers
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -34,6 +34,14 @@ class FitLoaders:
             t.loader_position.attach(self._train)
             t.num_training_batches = limit_batches(self._train, t.limit_train_batches, "limit_train_batches")
         return self._train
+
+    def stop_workers(self) -> None:
+        """At the end of fit: the persistent workers of the loaders built stop (loaders.stop_persistent_workers),
+        the training loader's position kept first for a checkpoint saved after fit."""
+        self.trainer.loader_position.keep()
+        for loader in (self._train, self._val):
+            for one in loader if isinstance(loader, (list, tuple)) else [loader]:
+                stop_persistent_workers(one)
 
     @property
     def val(self) -> Any:

@@ -77,6 +77,12 @@ class LoaderPosition:
         """The state after the latest batch handed to the loop, where the loop reads one batch ahead."""
         self._taken = state
 
+    def keep(self) -> None:
+        """Hold the target's state as it is now, for checkpoints saved later: before a loader's iterator (which
+        holds a StatefulDataLoader's state) is dropped at the end of fit."""
+        if self.target is not None and self._taken is None:
+            self._taken = self.capture()
+
     def saved(self) -> dict | None:
         """What a checkpoint stores: the state after the latest batch taken (in plain types), or None."""
         if self.target is None:

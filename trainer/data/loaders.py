@@ -206,3 +206,15 @@ def limit_batches(loader: Any, limit: int | float, argument: str) -> int:
             )
         return int(available * limit)
     return limit if available is None else min(limit, available)
+
+
+def stop_persistent_workers(loader: Any) -> None:
+    """Stop the worker processes a loader with `persistent_workers=True` keeps between epochs, as Lightning does when
+    a stage ends. Left to the garbage collector, the iterator that holds them is finalized at whatever allocation
+    comes next, on one rank only, and its shutdown joins the workers there: in a multi-rank run that rank can block
+    while the others wait for it in a collective. Anything else (no workers, not a DataLoader) is left alone; a
+    later iteration starts new workers."""
+    iterator = getattr(loader, "_iterator", None)  # (torch's and torchdata's DataLoader keep it here)
+    if getattr(loader, "persistent_workers", False) and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
