@@ -4,6 +4,7 @@ show. All variants of a table run in one run, interleaved round by round.
     python benchmarks/overhead.py                      # both tables (~2 min on 2 busy cores)
     python benchmarks/overhead.py --part one --rounds 7
     python benchmarks/overhead.py --part two --variants torch-ddp,zero2
+    python benchmarks/overhead.py --part one --isolated   # each variant in a process of its own
 
 Model: examples.gpt GPT with 48 Blocks of width 64 (4 heads, 64 tokens, vocabulary 256), batch 2, fp32,
 AdamW(foreach=True), one thread per process. A step is model(x), cross-entropy, backward, optimizer.step(),
@@ -13,6 +14,8 @@ optimizer.zero_grad(set_to_none=True).
   many-rank path (units, hooks, gather and reduce buffers; on gloo one rank's collectives are local copies), as
   torch's `fully_shard` runs its collectives on one rank too. The table gives each variant's median step and its
   extra host time per unit over plain torch ((median - torch's median) / 49 units: 48 Blocks and the root).
+  With `--isolated` each variant runs in a process of its own (still round by round): the variants then do not
+  share the C allocator's heap, which in one process hides fsdp's page faults (docs/benchmarks.md).
 - `--part two`: 2 gloo ranks on this machine, step timed on rank 0 between two barriers: torch's
   DistributedDataParallel and `fully_shard` (per Block, then the root) beside this project's ddp, zero2 and fsdp.
 
@@ -157,11 +160,16 @@ def init(rank: int, world: int, port: int) -> None:
 
 
 def part_one(args: argparse.Namespace) -> None:
-    init(0, 1, free_port())
-    times = run_interleaved(args.variants or ONE_RANK, args.rounds, args.steps, args.warmup, 0, barrier=False)
-    dist.destroy_process_group()
-    print(f"\nworld size 1 ({args.rounds} rounds x {args.steps} steps per variant; extra per unit = (median - "
-          f"torch's median) / {UNITS} units; host = the process's CPU time)\n")
+    variants = args.variants or ONE_RANK
+    if args.isolated:
+        times = run_isolated(variants, args.rounds, args.steps, args.warmup)
+    else:
+        init(0, 1, free_port())
+        times = run_interleaved(variants, args.rounds, args.steps, args.warmup, 0, barrier=False)
+        dist.destroy_process_group()
+    where = "each variant in a process of its own" if args.isolated else "every variant in this process"
+    print(f"\nworld size 1 ({args.rounds} rounds x {args.steps} steps per variant, {where}; extra per unit = "
+          f"(median - torch's median) / {UNITS} units; host = the process's CPU time)\n")
     print("| variant | median step (ms) | spread | extra per unit (us) | host per step (ms) | spread | "
           "extra host per unit (us) | page faults per step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -179,6 +187,41 @@ def part_one(args: argparse.Namespace) -> None:
         if a in extra and b in extra:
             print(f"\n{a} / {b}, extra per unit: wall {extra[a][0] / extra[b][0]:.2f}, "
                   f"host {extra[a][1] / extra[b][1]:.2f}")
+
+
+def run_isolated(variants: list[str], rounds: int, steps: int, warmup: int) -> Times:
+    """As run_interleaved, but each variant built and run in a process of its own (its own heap: what the C
+    allocator hands back to the system after one variant's step is not what the next variant's step takes), still
+    round by round, so that the machine's noise falls on every variant alike."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    pipes, processes = {}, []
+    for name in variants:
+        parent, child = context.Pipe()
+        process = context.Process(target=_isolated_variant, args=(name, child, steps, warmup))
+        process.start()
+        pipes[name], processes = parent, processes + [process]
+    times: Times = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in variants[r % len(variants):] + variants[: r % len(variants)]:
+            pipes[name].send("round")
+            times[name].append(pipes[name].recv())
+    for name in variants:
+        pipes[name].send("stop")
+    for process in processes:
+        process.join()
+    return times
+
+
+def _isolated_variant(name: str, pipe: Any, steps: int, warmup: int) -> None:
+    init(0, 1, free_port())
+    with collectives_of(name):
+        step = build(name, 0)
+        while pipe.recv() == "round":
+            timed(step, warmup, barrier=False)
+            pipe.send(timed(step, steps, barrier=False))
+    dist.destroy_process_group()
 
 
 def _rank_two(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
@@ -235,6 +278,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--isolated", action="store_true",
+                        help="world size 1: each variant in a process of its own (its own heap), still round by round")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = datetime.datetime.now(datetime.timezone.utc)
