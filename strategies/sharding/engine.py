@@ -209,8 +209,8 @@ class ShardingEngine:
             unit.reshard()
         with torch.no_grad():
             for unit, (_, fulls) in zip(self.units, self.iter_full_parameters()):
+                mark_unsharded(unit.params)
                 for p, full in zip(unit.params, fulls):
-                    mark_unsharded(p)
                     p.data = full.detach().clone()
                     p.grad = None
         self.remove_hooks()

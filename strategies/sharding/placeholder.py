@@ -96,31 +96,20 @@ def _flat(args: tuple, kwargs: dict | None) -> Iterator[Any]:
 
 
 def label_sharded(param: nn.Parameter, name: str, unit: str, world_size: int) -> None:
-    """What a read of `param` names while it is sharded: set once, after which `mark_all_sharded` only changes
-    its class (each unit does so twice per step)."""
+    """What a read of `param` names while it is sharded: set once, after which `mark_sharded` only changes its
+    class (each unit does so twice per step)."""
     param._sharded_name, param._sharded_unit, param._sharded_world_size = name, unit or "<root>", world_size
 
 
-def mark_sharded(param: nn.Parameter, name: str, unit: str, world_size: int) -> None:
-    """Make every read of `param` an error that names it (only plain nn.Parameters; subclasses are left alone)."""
-    if type(param) is nn.Parameter:
-        label_sharded(param, name, unit, world_size)
-        param.__class__ = ShardedParameter
-
-
-def mark_all_sharded(params: list[nn.Parameter]) -> None:
-    """`mark_sharded` for parameters labelled already (label_sharded)."""
+def mark_sharded(params: list[nn.Parameter]) -> None:
+    """Make every read of these parameters (labelled: label_sharded) an error that names them; only plain
+    nn.Parameters (subclasses are left alone)."""
     for param in params:
         if type(param) is nn.Parameter:
             param.__class__ = ShardedParameter
 
 
-def mark_unsharded(param: nn.Parameter) -> None:
-    if type(param) is ShardedParameter:
-        param.__class__ = nn.Parameter
-
-
-def mark_all_unsharded(params: list[nn.Parameter]) -> None:
+def mark_unsharded(params: list[nn.Parameter]) -> None:
     for param in params:
         if type(param) is ShardedParameter:
             param.__class__ = nn.Parameter

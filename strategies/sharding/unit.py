@@ -21,7 +21,7 @@ from .collectives import CommStats, Work, all_gather, wait
 from .gradients import NoGradients, ReplicatedGradients, ShardedGradients
 from .groups import Groups
 from .layout import FlatLayout, Piece
-from .placeholder import label_sharded, mark_all_sharded, mark_all_unsharded
+from .placeholder import label_sharded, mark_sharded, mark_unsharded
 from .spec import ShardingSpec, UnitOptions
 
 
@@ -179,7 +179,7 @@ class ShardUnit:
                         wait(work)
                 self._gather_works = []
             self._point_params_at_full_views()
-            mark_all_unsharded(self.params)
+            mark_unsharded(self.params)
             self.state = ParamState.UNSHARDED
 
     def reshard(self) -> None:
@@ -196,13 +196,13 @@ class ShardUnit:
 
     def _mark_sharded(self) -> None:
         self._point_params_at_full_views()
-        mark_all_sharded(self.params)
+        mark_sharded(self.params)
 
     def show_full(self, full: torch.Tensor) -> None:
         """Point the parameters at `full` (a gathered flat buffer in master precision) for reading and writing
         by the user; `hide_full` undoes it, after which the unit is sharded."""
         self._point_params_at(self.layout.views(full))
-        mark_all_unsharded(self.params)
+        mark_unsharded(self.params)
 
     def hide_full(self, full: torch.Tensor, write_back: bool) -> None:
         if write_back:

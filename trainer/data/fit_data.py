@@ -40,8 +40,7 @@ class FitLoaders:
         the training loader's position kept first for a checkpoint saved after fit."""
         self.trainer.loader_position.keep()
         for loader in (self._train, self._val):
-            for one in loader if isinstance(loader, (list, tuple)) else [loader]:
-                stop_persistent_workers(one)
+            stop_persistent_workers(loader)
 
     @property
     def val(self) -> Any:

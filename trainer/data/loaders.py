@@ -213,8 +213,9 @@ def stop_persistent_workers(loader: Any) -> None:
     a stage ends. Left to the garbage collector, the iterator that holds them is finalized at whatever allocation
     comes next, on one rank only, and its shutdown joins the workers there: in a multi-rank run that rank can block
     while the others wait for it in a collective. Anything else (no workers, not a DataLoader) is left alone; a
-    later iteration starts new workers."""
-    iterator = getattr(loader, "_iterator", None)  # (torch's and torchdata's DataLoader keep it here)
-    if getattr(loader, "persistent_workers", False) and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-        loader._iterator = None
+    later iteration starts new workers. `loader` may be a list or tuple of loaders."""
+    for one in loader if isinstance(loader, (list, tuple)) else [loader]:
+        iterator = getattr(one, "_iterator", None)  # (torch's and torchdata's DataLoader keep it here)
+        if getattr(one, "persistent_workers", False) and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+            one._iterator = None
