@@ -19,9 +19,12 @@ optimizer.zero_grad(set_to_none=True).
 - `--part two`: 2 gloo ranks on this machine, step timed on rank 0 between two barriers: torch's
   DistributedDataParallel and `fully_shard` (per Block, then the root) beside this project's ddp, zero2 and fsdp.
 
-Each round runs every variant (each round starts one variant later) for --warmup untimed and --steps timed steps;
-variants are built once, from the same seed. Medians are over all timed steps of all rounds; "spread" is the
-range of the per-round medians over the overall median, a measure of the machine's noise in that run.
+Each round runs --warmup untimed steps of every variant, then --steps cycles of one timed step of every variant in
+turn (each round starts one variant later): the steps compared are seconds apart, so the machine's slower moments
+fall on every variant alike. Variants are built once, from the same seed. Medians are over all timed steps of all
+rounds; "spread" is the range of the per-round medians over the overall median, a measure of the machine's noise
+in that run. The fsdp ratios are also given paired by round (each round's extra over that round's torch), with
+a 95% interval from resampling the rounds: how far this run's noise leaves the ratio uncertain.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import resource
 import shlex
 import socket
@@ -131,15 +135,22 @@ Times = dict[str, list[list[tuple[float, float, int]]]]  # by variant, by round:
 
 
 def run_interleaved(variants: list[str], rounds: int, steps: int, warmup: int, rank: int, barrier: bool) -> Times:
+    """Each round: --warmup steps of every variant, then --steps cycles of one step of every variant in turn (each
+    round starts one variant later), so that the steps compared were taken seconds apart."""
     built: dict[str, Step] = {}
     times: Times = {name: [] for name in variants}
     for r in range(rounds):
-        for name in variants[r % len(variants):] + variants[: r % len(variants)]:
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for name in order:
             with collectives_of(name):
                 if name not in built:
                     built[name] = build(name, rank)
                 timed(built[name], warmup, barrier)
-                times[name].append(timed(built[name], steps, barrier))
+                times[name].append([])
+        for _ in range(steps):
+            for name in order:
+                with collectives_of(name):
+                    times[name][-1] += timed(built[name], 1, barrier)
     return times
 
 
@@ -185,28 +196,59 @@ def part_one(args: argparse.Namespace) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
     for a, b in (("fsdp@many", "zero2@many"), ("fsdp@many", "fully_shard")):
         if a in extra and b in extra:
+            paired, low, high = paired_ratio(times, a, b)
             print(f"\n{a} / {b}, extra per unit: wall {extra[a][0] / extra[b][0]:.2f}, "
-                  f"host {extra[a][1] / extra[b][1]:.2f}")
+                  f"host {extra[a][1] / extra[b][1]:.2f}; paired by round (wall) {paired:.2f}, "
+                  f"95% bootstrap interval {low:.2f}-{high:.2f}")
+
+
+def extras_by_round(times: Times, name: str) -> list[float]:
+    """`name`'s extra wall time per unit over plain torch, round by round: the variants of a round run one after
+    the other, so a slower minute of the machine falls on both sides of each difference."""
+    return [(statistics.median(t[0] for t in mine) - statistics.median(t[0] for t in plain)) / UNITS * 1e6
+            for mine, plain in zip(times[name], times["torch"])]
+
+
+def paired_ratio(times: Times, a: str, b: str, resamples: int = 2000) -> tuple[float, float, float]:
+    """The ratio of the median per-round extras of `a` and `b`, and its 95% interval from resampling the rounds
+    (how far the machine's noise in this run leaves the ratio uncertain)."""
+    if "torch" not in times:
+        return (float("nan"),) * 3
+    first, second = extras_by_round(times, a), extras_by_round(times, b)
+    pick = random.Random(0)
+    ratios = []
+    for _ in range(resamples):
+        rounds = [pick.randrange(len(first)) for _ in first]
+        ratios.append(statistics.median(first[r] for r in rounds) / statistics.median(second[r] for r in rounds))
+    ratios.sort()
+    ratio = statistics.median(first) / statistics.median(second)
+    return ratio, ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def run_isolated(variants: list[str], rounds: int, steps: int, warmup: int) -> Times:
     """As run_interleaved, but each variant built and run in a process of its own (its own heap: what the C
     allocator hands back to the system after one variant's step is not what the next variant's step takes), still
-    round by round, so that the machine's noise falls on every variant alike."""
+    step by step in turn, so that the machine's noise falls on every variant alike."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     pipes, processes = {}, []
     for name in variants:
         parent, child = context.Pipe()
-        process = context.Process(target=_isolated_variant, args=(name, child, steps, warmup))
+        process = context.Process(target=_isolated_variant, args=(name, child, warmup))
         process.start()
         pipes[name], processes = parent, processes + [process]
     times: Times = {name: [] for name in variants}
     for r in range(rounds):
-        for name in variants[r % len(variants):] + variants[: r % len(variants)]:
-            pipes[name].send("round")
-            times[name].append(pipes[name].recv())
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for name in order:
+            pipes[name].send("warm up")
+            pipes[name].recv()
+            times[name].append([])
+        for _ in range(steps):
+            for name in order:
+                pipes[name].send("step")
+                times[name][-1] += pipes[name].recv()
     for name in variants:
         pipes[name].send("stop")
     for process in processes:
@@ -214,13 +256,12 @@ def run_isolated(variants: list[str], rounds: int, steps: int, warmup: int) -> T
     return times
 
 
-def _isolated_variant(name: str, pipe: Any, steps: int, warmup: int) -> None:
+def _isolated_variant(name: str, pipe: Any, warmup: int) -> None:
     init(0, 1, free_port())
     with collectives_of(name):
         step = build(name, 0)
-        while pipe.recv() == "round":
-            timed(step, warmup, barrier=False)
-            pipe.send(timed(step, steps, barrier=False))
+        while (command := pipe.recv()) != "stop":
+            pipe.send(timed(step, warmup if command == "warm up" else 1, barrier=False))
     dist.destroy_process_group()
 
 

@@ -132,6 +132,15 @@ def _alone(group: Any) -> bool:
     return size == 1 and (on_gloo or not one_rank_collectives())  # (gloo first: the variable is read per call)
 
 
+def never_communicates(group: Any) -> bool:
+    """Whether every collective on `group` is skipped for good: no process group, or one rank on gloo (on nccl
+    one rank's collectives follow ONE_RANK_COLLECTIVES, which is read per call)."""
+    if not dist.is_initialized():
+        return True
+    size, on_gloo = _facts(group)
+    return size == 1 and on_gloo
+
+
 def _on_gloo(group: Any) -> bool:
     return _facts(group)[1]
 

@@ -182,6 +182,7 @@ class ShardedGradients:
         self.norms: GradientNorms | None = None  # the engine's, shared by all its units (sharded_gradient.py)
         self._generation = 0  # counts the shards this store has made: with the version, whether it changed
         self.size = unit.layout.trainable_shard_size  # the gradient shard covers the trainable segment only
+        self.output_size = self.size + len(unit.params)  # this rank's slice of a reduction: the shard, then flags
         self.pieces = [p for p in unit.pieces if unit.trainable[p.param_index]]
         self._plan = [self._rank_plan(pieces) for pieces in unit.pieces_by_rank]
         self._padding: dict[int, torch.Tensor] = {}  # zeros sent for padding, by length: made once, only read
@@ -273,11 +274,6 @@ class ShardedGradients:
     def launch(self) -> None:
         launch_together([self])
 
-    @property
-    def output_size(self) -> int:
-        """Elements of this rank's slice of the reduction: the gradient shard, then one used flag per parameter."""
-        return self.size + len(self.unit.params)
-
     def _prepare(self) -> list[list[torch.Tensor]]:
         """The parts of every rank's slice (`_parts`), once placeholders of an earlier micro-batch are dropped."""
         with metadata_access():  # (read here: the parameters are usually placeholders again by now)
@@ -292,7 +288,7 @@ class ShardedGradients:
         hybrid sharding the all-reduce across the groups is then started, and waited for by `finish`."""
         if self._output is None or self._across_groups:
             return
-        if self.unit.groups.replicate is None:
+        if not self.unit.groups.hybrid:
             self.finish()  # nothing more to send: add it to the shard now, freeing the output
         else:
             self._start_across_groups()
@@ -316,7 +312,7 @@ class ShardedGradients:
         if self._output is None:
             return
         unit = self.unit
-        if unit.groups.replicate is not None and not self._across_groups:
+        if unit.groups.hybrid and not self._across_groups:
             self._start_across_groups()
         if self._across_groups:
             with unit.naming_failures("gradient reduction across groups"):

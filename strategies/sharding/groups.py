@@ -37,10 +37,11 @@ class Groups:
     size: int  # of the shard group
     data_parallel_size: int
     replica: int  # which copy this rank belongs to
+    hybrid: bool = False  # several copies: gradients are also all-reduced across the groups (read at every step)
 
     @classmethod
     def of(cls, everyone: Any, shard: Any, replicate: Any, *sizes: int) -> Groups:
-        return cls(_weak(everyone), _weak(shard), _weak(replicate), *sizes)
+        return cls(_weak(everyone), _weak(shard), _weak(replicate), *sizes, hybrid=replicate is not None)
 
     @property
     def everyone(self) -> Any:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import CommStats, Work, all_gather, wait
+from .collectives import CommStats, Work, all_gather, never_communicates, wait
 from .gradients import NoGradients, ReplicatedGradients, ShardedGradients
 from .groups import Groups
 from .layout import FlatLayout, Piece
@@ -48,6 +48,7 @@ class ShardUnit:
         materialize.py); nothing is copied from them, so their unit's buffers stay untouched until then."""
         self.name, self.module, self.spec, self.groups, self.stats = name, module, spec, groups, stats
         self.rank, self.world_size = groups.rank, groups.size  # in the shard group
+        self._gathers_alone = never_communicates(groups.shard)  # (asked once: every unshard would ask)
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.trainable = [p.requires_grad for p in self.params]
@@ -96,7 +97,8 @@ class ShardUnit:
         self.full_flat = full.to(self.compute_dtype)
         self._full_views = self.layout.views(self.full_flat)  # made once: they outlive the storage's resizes
         self._gather_views = self._views_to_gather()
-        self._full_nbytes = self.full_flat.untyped_storage().nbytes()
+        self._full_storage = self.full_flat.untyped_storage()  # (fetched once: each fetch makes a Python object)
+        self._full_nbytes = self._full_storage.nbytes()
         self._point_params_at(self._full_views)
 
     def _views_to_gather(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
@@ -158,15 +160,16 @@ class ShardUnit:
             return
         if self.before_gather is not None:
             self.before_gather(self)
-        self.full_flat.untyped_storage().resize_(self._full_nbytes)
+        self._full_storage.resize_(self._full_nbytes)
         for own, master, whole, move_then_cast in self._gather_views:  # in place, as FSDP2: no separate input buffer
             if move_then_cast:
                 own.copy_(master.to(own.device, non_blocking=True))  # moved, then cast on the device
             else:
                 own.copy_(master, non_blocking=True)  # from pinned memory when offloaded: no wait for the host
-            work = all_gather(whole, own, self.groups.shard, self.stats, async_op=True, unit=self.name)
-            if work is not None:  # (one rank: the copy above was the gather)
-                self._gather_works.append(work)
+            if not self._gathers_alone:  # (otherwise the copy above was the gather)
+                work = all_gather(whole, own, self.groups.shard, self.stats, async_op=True, unit=self.name)
+                if work is not None:
+                    self._gather_works.append(work)
         self.state = ParamState.UNSHARDING
         if not async_op:
             self.wait_unshard()
@@ -190,7 +193,7 @@ class ShardUnit:
         if self._gather_works and any(getattr(work, "abandoned", None) is not None for work in self._gather_works):
             return  # its gather may still write into the buffer: keep it while the run fails
         self.wait_unshard()
-        self.full_flat.untyped_storage().resize_(0)
+        self._full_storage.resize_(0)
         self._mark_sharded()
         self.state = ParamState.SHARDED
 
