@@ -1,5 +1,5 @@
 """The framework's own host time on CPU: 48 tiny blocks, where compute is small and hooks, copies and collectives
-show. All variants of a table run in one run, interleaved round by round.
+show. All variants of a table run in one run, interleaved step by step.
 
     python benchmarks/overhead.py                      # both tables (~2 min on 2 busy cores)
     python benchmarks/overhead.py --part one --rounds 7
@@ -14,7 +14,7 @@ optimizer.zero_grad(set_to_none=True).
   many-rank path (units, hooks, gather and reduce buffers; on gloo one rank's collectives are local copies), as
   torch's `fully_shard` runs its collectives on one rank too. The table gives each variant's median step and its
   extra host time per unit over plain torch ((median - torch's median) / 49 units: 48 Blocks and the root).
-  With `--isolated` each variant runs in a process of its own (still round by round): the variants then do not
+  With `--isolated` each variant runs in a process of its own (still step by step in turn): the variants then do not
   share the C allocator's heap, which in one process hides fsdp's page faults (docs/benchmarks.md).
 - `--part two`: 2 gloo ranks on this machine, step timed on rank 0 between two barriers: torch's
   DistributedDataParallel and `fully_shard` (per Block, then the root) beside this project's ddp, zero2 and fsdp.
@@ -203,8 +203,8 @@ def part_one(args: argparse.Namespace) -> None:
 
 
 def extras_by_round(times: Times, name: str) -> list[float]:
-    """`name`'s extra wall time per unit over plain torch, round by round: the variants of a round run one after
-    the other, so a slower minute of the machine falls on both sides of each difference."""
+    """`name`'s extra wall time per unit over plain torch (us), round by round: each round's against the same
+    round's plain torch, whose steps alternate with it, so a slower minute of the machine falls on both sides."""
     return [(statistics.median(t[0] for t in mine) - statistics.median(t[0] for t in plain)) / UNITS * 1e6
             for mine, plain in zip(times[name], times["torch"])]
 
@@ -320,7 +320,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--isolated", action="store_true",
-                        help="world size 1: each variant in a process of its own (its own heap), still round by round")
+                        help="world size 1: each variant in a process of its own (its own heap), still in turn")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = datetime.datetime.now(datetime.timezone.utc)
