@@ -172,6 +172,25 @@ def test_every_strategy_matches_one_process_on_the_global_batch(rank_pool, world
             assert torch.equal(got["head.weight"], got["emb.weight"]), "tied weights came apart"
 
 
+def test_one_rank_on_the_many_rank_path_matches_one_process(monkeypatch):
+    """With one-rank collectives (SHARDTRAIN_ONE_RANK_COLLECTIVES=1, the "@many" variants of
+    benchmarks/overhead.py) fsdp forms its units, frees and gathers them and reduces through its buffers as on many
+    ranks, each gather and reduction a local copy: every strategy must still train exactly as one process."""
+    from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
+    from strategies.sharding.placeholder import ShardedParameter
+
+    monkeypatch.setenv(ONE_RANK_COLLECTIVES, "1")
+    results = body_fit_every_strategy(["sgd", "adamw"])
+    for optimizer in ("sgd", "adamw"):
+        want = reference_weights(1, optimizer)
+        for name in STRATEGIES:
+            difference = max_relative_difference(results[(name, optimizer)], want)
+            assert difference <= TOLERANCE[optimizer], (name, optimizer, difference)
+    trainer = fit(new_model(), make_strategy("fsdp"), 1, PER_RANK_BATCH, steps=1)
+    block = trainer.strategy.engine.module.blocks[0]
+    assert all(type(p) is ShardedParameter for p in block.parameters())  # its units were freed between uses
+
+
 def test_fused_adamw_steps_each_ranks_pieces_as_one_process_steps_everything(rank_pool):
     """AdamW(fused=True), the fast step on a CPU, runs on each rank's own pieces under every strategy."""
     results = rank_pool(2).run(body_fit_every_strategy, ["adamw-fused"])[0]
