@@ -197,8 +197,8 @@ def part_one(args: argparse.Namespace) -> None:
     for a, b in (("fsdp@many", "zero2@many"), ("fsdp@many", "fully_shard")):
         if a in extra and b in extra:
             paired, low, high = paired_ratio(times, a, b)
-            print(f"\n{a} / {b}, extra per unit: wall {extra[a][0] / extra[b][0]:.2f}, "
-                  f"host {extra[a][1] / extra[b][1]:.2f}; paired by round (wall) {paired:.2f}, "
+            print(f"\n{a} / {b}, extra per unit: wall {ratio_of(extra[a][0], extra[b][0]):.2f}, "
+                  f"host {ratio_of(extra[a][1], extra[b][1]):.2f}; paired by round (wall) {paired:.2f}, "
                   f"95% bootstrap interval {low:.2f}-{high:.2f}")
 
 
@@ -219,10 +219,16 @@ def paired_ratio(times: Times, a: str, b: str, resamples: int = 2000) -> tuple[f
     ratios = []
     for _ in range(resamples):
         rounds = [pick.randrange(len(first)) for _ in first]
-        ratios.append(statistics.median(first[r] for r in rounds) / statistics.median(second[r] for r in rounds))
+        ratios.append(ratio_of(statistics.median(first[r] for r in rounds),
+                               statistics.median(second[r] for r in rounds)))
     ratios.sort()
-    ratio = statistics.median(first) / statistics.median(second)
+    ratio = ratio_of(statistics.median(first), statistics.median(second))
     return ratio, ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def ratio_of(extra: float, other: float) -> float:
+    """`extra` over `other`; infinite where `other` is no extra at all (a run in which noise hid it)."""
+    return extra / other if other > 0 else float("inf")
 
 
 def run_isolated(variants: list[str], rounds: int, steps: int, warmup: int) -> Times:

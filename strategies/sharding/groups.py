@@ -10,7 +10,7 @@ carry only a 1/G slice of the gradients and never the parameters.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -37,11 +37,14 @@ class Groups:
     size: int  # of the shard group
     data_parallel_size: int
     replica: int  # which copy this rank belongs to
-    hybrid: bool = False  # several copies: gradients are also all-reduced across the groups (read at every step)
+    hybrid: bool = field(init=False)  # several copies: gradients are also all-reduced across the groups
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hybrid", self._replicate is not None)  # (read at every step: derived once)
 
     @classmethod
     def of(cls, everyone: Any, shard: Any, replicate: Any, *sizes: int) -> Groups:
-        return cls(_weak(everyone), _weak(shard), _weak(replicate), *sizes, hybrid=replicate is not None)
+        return cls(_weak(everyone), _weak(shard), _weak(replicate), *sizes)
 
     @property
     def everyone(self) -> Any:
