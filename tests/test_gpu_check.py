@@ -44,3 +44,23 @@ def test_every_gpu_check_holds_on_this_gpu():
     code, out = run_check("--budget-s", "420", timeout=480)
     holding = re.search(r"gpu: (\d+)/(\d+) checks hold", out)
     assert holding is not None and holding.group(1) == holding.group(2) and code == 0, out[-4000:]
+
+
+def test_the_speed_part_counts_only_the_waits_inside_its_steps():
+    """torch 2.11's profiler synchronizes once more when it stops (seen on an H100, 2026-11-27: plain torch and
+    fsdp each showed one wait per 3 steps, both after the last step): waits are counted by time, inside the steps."""
+    sys.path.insert(0, ROOT)
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.gpu.speed import STEP_MARK, waits_inside_steps
+
+    a = torch.randn(32, 32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        a @ a  # before the steps
+        for _ in range(3):
+            with record_function(STEP_MARK):
+                a @ a
+                a @ a
+        a @ a  # after them, as the profiler's own synchronization is
+    assert waits_inside_steps(prof.events(), ("aten::mm",)) == {"aten::mm": 6}
+    assert waits_inside_steps(prof.events(), ("aten::addmm",)) == {}
