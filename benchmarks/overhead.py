@@ -135,22 +135,31 @@ Times = dict[str, list[list[tuple[float, float, int]]]]  # by variant, by round:
 
 
 def run_interleaved(variants: list[str], rounds: int, steps: int, warmup: int, rank: int, barrier: bool) -> Times:
-    """Each round: --warmup steps of every variant, then --steps cycles of one step of every variant in turn (each
-    round starts one variant later), so that the steps compared were taken seconds apart."""
+    """Every variant in this process, built once (at its first use), run by `in_turn`."""
     built: dict[str, Step] = {}
+
+    def run(name: str, count: int) -> list[tuple[float, float, int]]:
+        with collectives_of(name):
+            if name not in built:
+                built[name] = build(name, rank)
+            return timed(built[name], count, barrier)
+
+    return in_turn(variants, rounds, steps, warmup, run)
+
+
+def in_turn(variants: list[str], rounds: int, steps: int, warmup: int, run: Any) -> Times:
+    """Each round: `warmup` steps of every variant, then `steps` cycles of one step of every variant in turn (each
+    round starts one variant later), so that the steps compared were taken seconds apart. `run(name, count)` runs
+    `count` steps of a variant and returns their timings."""
     times: Times = {name: [] for name in variants}
     for r in range(rounds):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for name in order:
-            with collectives_of(name):
-                if name not in built:
-                    built[name] = build(name, rank)
-                timed(built[name], warmup, barrier)
-                times[name].append([])
+            run(name, warmup)
+            times[name].append([])
         for _ in range(steps):
             for name in order:
-                with collectives_of(name):
-                    times[name][-1] += timed(built[name], 1, barrier)
+                times[name][-1] += run(name, 1)
     return times
 
 
@@ -241,20 +250,15 @@ def run_isolated(variants: list[str], rounds: int, steps: int, warmup: int) -> T
     pipes, processes = {}, []
     for name in variants:
         parent, child = context.Pipe()
-        process = context.Process(target=_isolated_variant, args=(name, child, warmup))
+        process = context.Process(target=_isolated_variant, args=(name, child))
         process.start()
         pipes[name], processes = parent, processes + [process]
-    times: Times = {name: [] for name in variants}
-    for r in range(rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
-        for name in order:
-            pipes[name].send("warm up")
-            pipes[name].recv()
-            times[name].append([])
-        for _ in range(steps):
-            for name in order:
-                pipes[name].send("step")
-                times[name][-1] += pipes[name].recv()
+
+    def run(name: str, count: int) -> list[tuple[float, float, int]]:
+        pipes[name].send(count)
+        return pipes[name].recv()
+
+    times = in_turn(variants, rounds, steps, warmup, run)
     for name in variants:
         pipes[name].send("stop")
     for process in processes:
@@ -262,12 +266,13 @@ def run_isolated(variants: list[str], rounds: int, steps: int, warmup: int) -> T
     return times
 
 
-def _isolated_variant(name: str, pipe: Any, warmup: int) -> None:
+def _isolated_variant(name: str, pipe: Any) -> None:
+    """One variant's process: runs as many steps as it is sent, until "stop"."""
     init(0, 1, free_port())
     with collectives_of(name):
         step = build(name, 0)
-        while (command := pipe.recv()) != "stop":
-            pipe.send(timed(step, warmup if command == "warm up" else 1, barrier=False))
+        while (count := pipe.recv()) != "stop":
+            pipe.send(timed(step, count, barrier=False))
     dist.destroy_process_group()
 
 
