@@ -124,15 +124,19 @@ def _load_row(row: dict, log_dir: str) -> dict:
     return {"x": torch.randn(FEATURES, generator=g).tolist(), "y": [float(row["idx"] % 5)]}
 
 
-def stream_loader(log_dir: str, rank: int, world_size: int, workers: int, stateful: bool, split: bool = True):
-    """A HuggingFace IterableDataset built from local rows in 4 shards, split by rank, read by torchdata's
-    StatefulDataLoader or a plain DataLoader."""
+def stream_loader(log_dir: str, rank: int, world_size: int, workers: int, stateful: bool, split: bool = True,
+                  shuffle_buffer: int | None = None):
+    """A HuggingFace IterableDataset built from local rows in 4 shards (shuffled through a buffer of
+    `shuffle_buffer` rows when given), split by rank, read by torchdata's StatefulDataLoader or a plain
+    DataLoader."""
     import datasets
     from datasets.distributed import split_dataset_by_node
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     stream = datasets.Dataset.from_dict({"idx": list(range(ROWS))}).to_iterable_dataset(num_shards=SHARDS)
     stream = stream.map(_load_row, fn_kwargs={"log_dir": log_dir})
+    if shuffle_buffer is not None:
+        stream = stream.shuffle(seed=7, buffer_size=shuffle_buffer)
     if split:
         stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
     loader_class = StatefulDataLoader if stateful else DataLoader
@@ -220,6 +224,36 @@ def fit_one_process(root: str, checkpoint: str, **fit_kwargs) -> dict:
     module = StreamRegression()
     trainer.fit(module, stream_loader(os.path.join(root, "rank0"), 0, 1, 0, True), ckpt_path=checkpoint, **fit_kwargs)
     return trainer.strategy.full_state_dict()
+
+
+def body_shuffled_stream_resume(root: str, name: str, workers: int, stateful: bool) -> dict:
+    straight = fit_stream(os.path.join(root, "straight"), name, workers, stateful, shuffle_buffer=6)
+    checkpoint = os.path.join(root, "straight", "ckpt", f"step={STREAM_STOP}")
+    resumed = fit_stream(os.path.join(root, "resumed"), name, workers, stateful, ckpt_path=checkpoint,
+                         shuffle_buffer=6)
+    return {"straight": straight, "resumed": resumed}
+
+
+@pytest.mark.parametrize("name, workers, stateful", [
+    ("ddp", 0, False),  # the HuggingFace dataset's own state, without workers
+    ("fsdp", 2, True),  # torchdata's StatefulDataLoader with 2 workers (datasets failed loading its state)
+])
+def test_a_resumed_shuffled_stream_trains_every_row_of_the_epoch_once(rank_pool, tmp_path, name, workers, stateful):
+    """A HuggingFace shuffle buffer is not in the stream's state: rows in the buffer at the checkpoint would never
+    be trained. The resume reads the epoch again and skips the batches trained, which is exact, and says so."""
+    from collections import Counter
+
+    ranks = rank_pool(2).run(body_shuffled_stream_resume, str(tmp_path), name, workers, stateful)
+    per_epoch = 6 * STREAM_BATCH  # 18 rows per rank and epoch
+    for rank, result in enumerate(ranks):
+        straight, resumed = result["straight"], result["resumed"]
+        first_epoch = straight["trained"][:STREAM_STOP * STREAM_BATCH] + resumed["trained"][:(6 - STREAM_STOP) *
+                                                                                           STREAM_BATCH]
+        assert Counter(first_epoch) == {row: 1 for row in set(first_epoch)} and len(first_epoch) == per_epoch, rank
+        assert resumed["trained"] == straight["trained"][STREAM_STOP * STREAM_BATCH:], rank
+        assert_states_close(resumed["weights"], straight["weights"], atol=0)
+        said = [w for w in resumed["warnings"] if "shuffle buffer" in w]
+        assert len(said) == 1 and "exact" in said[0], (rank, resumed["warnings"])
 
 
 def body_unsplit_stream(root: str) -> list[str]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..seed import rng_state, set_rng_state
+from .loader_state import unsaved_buffer
 from .loaders import loader_length
 from .resume_sampler import start_at_batch
 from .uneven import Lookahead
@@ -60,6 +61,16 @@ def _warn_loading_skipped(loader: Any, skip: int) -> None:
     """A mid-epoch resume with a loader the Trainer did not build loads the trained batches again to skip them;
     with workers, their random state then differs from the uninterrupted run's."""
     workers = getattr(loader, "num_workers", 0)
+    buffer = unsaved_buffer(loader)
+    if buffer is not None:
+        warnings.warn(
+            f"resuming in the middle of an epoch: the training stream's {buffer} is not part of its state, so a "
+            "resume from that state would never train the rows waiting in the buffer at the checkpoint. The epoch "
+            f"is read again from its start instead and the {skip} batches already trained are skipped, which is "
+            "exact (the shuffle is seeded): it costs the time to load them again",
+            stacklevel=3,
+        )
+        return
     warnings.warn(
         f"resuming in the middle of an epoch: the {skip} batches already trained are loaded again to skip them, "
         "since the training loader's sampler is not one the Trainer built (a DataLoader with a sampler of your "

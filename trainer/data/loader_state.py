@@ -4,7 +4,9 @@ keep one: torchdata's `StatefulDataLoader`, or a `DataLoader` without workers ov
 from where the checkpoint was, instead of loading the epoch's trained batches again to skip them.
 
 A map-style loader the Trainer rebuilt with its own sampler keeps its position as a batch count (resume_sampler.py):
-that one works at any world size. A loader's own state is per rank, so it is restored only at the world size that
+that one works at any world size. A stream whose state leaves out rows it holds (a HuggingFace shuffle buffer) keeps
+no state either: restored, the rows in the buffer at the checkpoint would never be trained, so a resume reads the
+epoch again and skips the batches trained, which is exact (the shuffle is seeded by the epoch). A loader's own state is per rank, so it is restored only at the world size that
 saved it; at another, `fit(..., restore_loader_state=False)` re-reads the epoch's data from its start instead.
 
 The state is stored as plain Python types and tensors (NumPy arrays and scalars converted), so that a checkpoint
@@ -32,13 +34,28 @@ def stateful_part(loader: Any) -> Any | None:
     """What holds `loader`'s position in its `state_dict()`: the loader itself, or (without workers, whose copies
     of the dataset the main process cannot see) its iterable dataset; None when neither does, or when the position
     is the Trainer's own sampler's."""
-    if isinstance(getattr(loader, "sampler", None), ResumableSampler):
+    if isinstance(getattr(loader, "sampler", None), ResumableSampler) or unsaved_buffer(loader) is not None:
         return None
     if _has_state(loader):
         return loader
     dataset = getattr(loader, "dataset", None)
     if isinstance(dataset, IterableDataset) and _has_state(dataset) and getattr(loader, "num_workers", 0) == 0:
         return dataset
+    return None
+
+
+def unsaved_buffer(loader: Any) -> str | None:
+    """What `loader`'s stream holds outside its `state_dict()`, described, or None: a HuggingFace `IterableDataset`
+    shuffled through a buffer (`.shuffle(buffer_size=...)`) saves where its shards were read, not the rows waiting
+    in the buffer, and datasets refills the buffer on a restore, so those rows are lost."""
+    pending = [getattr(getattr(loader, "dataset", None), "_ex_iterable", None)]  # datasets' chain of iterables
+    while pending:
+        node = pending.pop()
+        if node is None:
+            continue
+        if type(node).__name__ == "BufferShuffledExamplesIterable":
+            return f"HuggingFace shuffle buffer (buffer_size={node.buffer_size})"
+        pending += [getattr(node, "ex_iterable", None), *getattr(node, "ex_iterables", [])]
     return None
 
 
