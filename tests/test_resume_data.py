@@ -212,17 +212,18 @@ def test_a_resumed_stream_reads_on_from_the_loaders_own_state(rank_pool, tmp_pat
         checkpoint = ranks[0]["checkpoint"]
         with pytest.raises(ValueError, match=r"resume on 2 ranks, or pass fit\(\.\.\., restore_loader_state=False\)"):
             fit_one_process(str(tmp_path / "one"), checkpoint)
-        with pytest.warns(UserWarning, match="loaded again to skip them"):
+        with pytest.warns(UserWarning, match="some samples train twice and as many not at all"):
             weights = fit_one_process(str(tmp_path / "opt-out"), checkpoint, restore_loader_state=False)
         assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-def fit_one_process(root: str, checkpoint: str, **fit_kwargs) -> dict:
+def fit_one_process(root: str, checkpoint: str, shuffle_buffer: int | None = None, **fit_kwargs) -> dict:
     os.makedirs(os.path.join(root, "rank0"))
     trainer = Trainer(devices=1, max_steps=STREAM_TOTAL, logger=False, enable_progress_bar=False,
                       enable_checkpointing=False, enable_model_summary=False, default_root_dir=root)
     module = StreamRegression()
-    trainer.fit(module, stream_loader(os.path.join(root, "rank0"), 0, 1, 0, True), ckpt_path=checkpoint, **fit_kwargs)
+    loader = stream_loader(os.path.join(root, "rank0"), 0, 1, 0, True, shuffle_buffer=shuffle_buffer)
+    trainer.fit(module, loader, ckpt_path=checkpoint, **fit_kwargs)
     return trainer.strategy.full_state_dict()
 
 
@@ -231,7 +232,7 @@ def body_shuffled_stream_resume(root: str, name: str, workers: int, stateful: bo
     checkpoint = os.path.join(root, "straight", "ckpt", f"step={STREAM_STOP}")
     resumed = fit_stream(os.path.join(root, "resumed"), name, workers, stateful, ckpt_path=checkpoint,
                          shuffle_buffer=6)
-    return {"straight": straight, "resumed": resumed}
+    return {"straight": straight, "resumed": resumed, "checkpoint": checkpoint}
 
 
 @pytest.mark.parametrize("name, workers, stateful", [
@@ -254,6 +255,13 @@ def test_a_resumed_shuffled_stream_trains_every_row_of_the_epoch_once(rank_pool,
         assert_states_close(resumed["weights"], straight["weights"], atol=0)
         said = [w for w in resumed["warnings"] if "shuffle buffer" in w]
         assert len(said) == 1 and "exact" in said[0], (rank, resumed["warnings"])
+    if not stateful:  # on another number of ranks the stream splits otherwise: refused, or the opt-out says so
+        checkpoint = ranks[0]["checkpoint"]
+        with pytest.raises(ValueError, match=r"read by 2 ranks, and this run has 1.*restore_loader_state=False"):
+            fit_one_process(str(tmp_path / "one"), checkpoint, shuffle_buffer=6)
+        with pytest.warns(UserWarning, match=r"skips its first 24 samples \(24 in all\), so in this epoch some "
+                                             "samples train twice and as many not at all"):
+            fit_one_process(str(tmp_path / "opt-out"), checkpoint, shuffle_buffer=6, restore_loader_state=False)
 
 
 def body_unsplit_stream(root: str) -> list[str]:

@@ -25,6 +25,7 @@ from . import config, construction, planning
 from .checkpoint import Saver, find_last
 from .checkpoint.dirs import checkpoint_dirs, full_file_problem
 from .data.fit_data import FitLoaders
+from .data.global_batch import DataLayout
 from .data.loader_state import LoaderPosition
 from .data.loaders import stop_persistent_workers
 from .datamodule import DataModule, datamodule_in
@@ -74,6 +75,10 @@ class Trainer:
             `max_steps` is `-1`, else no limit.
         max_steps: stop after this many optimizer steps; `-1` (default) for no limit.
         accumulate_grad_batches: batches whose gradients are summed before each optimizer step.
+        global_batch_size: samples per optimizer step over all data-parallel ranks (as torchtitan's
+            `training.global_batch_size`): the accumulation is derived from it, the training loader's batch size
+            and the ranks, and derived again when a run resumes on another number of ranks, so the optimizer sees
+            batches of the same size. `None` (default) uses `accumulate_grad_batches`.
         gradient_clip_val: clip the gradients at this value before each optimizer step; `None` to not clip.
         val_check_interval: how often validation runs within an epoch: a float in (0, 1] is a fraction of the
             training epoch, an int a number of training batches.
@@ -124,7 +129,8 @@ class Trainer:
         TypeError: for an unknown argument; a non-bool `compile`, `use_distributed_sampler`,
             `enable_model_summary` or `detect_divergence`; a `strategy`, `callbacks` entry, `logger` or
             `profiler` of the wrong type.
-        ValueError: for an argument outside its valid values (the message names it); `accelerator="cuda"` or
+        ValueError: for an argument outside its valid values (the message names it); both `global_batch_size`
+            and `accumulate_grad_batches`; `accelerator="cuda"` or
             CUDA `devices` beyond those available; `sync_batchnorm=True` without CUDA; `max_memory_per_rank`
             with a strategy other than `"auto"`; `enable_checkpointing=False` with a `ModelCheckpoint` in
             `callbacks`; `num_nodes > 1` without a launcher, or a launched world size that is not
@@ -147,6 +153,7 @@ class Trainer:
         max_epochs: int | None = None,
         max_steps: int = -1,
         accumulate_grad_batches: int = 1,
+        global_batch_size: int | None = None,
         gradient_clip_val: float | None = None,
         val_check_interval: int | float = 1.0,
         limit_train_batches: int | float = 1.0,
@@ -185,6 +192,11 @@ class Trainer:
         if not isinstance(max_steps, int) or max_steps < -1 or max_steps == 0:
             raise ValueError(f"max_steps={max_steps!r} is not valid; use -1 (no limit) or a positive int")
         config.check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+        config.check_positive_int("global_batch_size", global_batch_size, allow_none=True)
+        if global_batch_size is not None and accumulate_grad_batches != 1:
+            raise ValueError(f"global_batch_size={global_batch_size} and accumulate_grad_batches="
+                             f"{accumulate_grad_batches}: the accumulation is derived from global_batch_size; give "
+                             "one of them")
         config.check_clip(gradient_clip_val)
         self.gradient_clip_algorithm = config.check_choice("gradient_clip_algorithm", gradient_clip_algorithm,
                                                            config.CLIP_ALGORITHMS)
@@ -225,6 +237,9 @@ class Trainer:
         self.num_nodes = num_nodes
         self.max_epochs = max_epochs if max_epochs is not None else (1000 if max_steps == -1 else -1)
         self.max_steps, self.accumulate_grad_batches = max_steps, accumulate_grad_batches
+        self.global_batch_size = global_batch_size
+        self.data_layout: DataLayout | None = None  # how fit splits its epochs (data/global_batch.py)
+        self.resumed_layout: dict | None = None  # the checkpoint's, when fit resumes
         self.gradient_clip_val, self.val_check_interval = gradient_clip_val, val_check_interval
         self.limit_train_batches, self.limit_val_batches = limit_train_batches, limit_val_batches
         self.limit_test_batches = limit_test_batches

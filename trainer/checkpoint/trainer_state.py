@@ -37,6 +37,7 @@ def trainer_state(trainer: Trainer) -> dict[str, Any]:
         "datamodule": trainer.datamodule.state_dict() if trainer.datamodule is not None else None,
         "module_extra": extra,
         "loggers": [{"class": type(lg).__name__, "state": lg.state_dict()} for lg in trainer.loggers],
+        "data_layout": None if trainer.data_layout is None else trainer.data_layout.state_dict(),
     }
 
 
@@ -98,6 +99,7 @@ def restore_trainer_state(trainer: Trainer, saved: dict[str, Any], rng: dict[str
             setattr(trainer.state, key, value)
     trainer.state.time_elapsed = saved.get("time_elapsed", 0.0)  # (checkpoints from before max_time: none)
     trainer.precision.load_state_dict(saved["precision"])
+    trainer.resumed_layout = saved.get("data_layout")  # (older checkpoints: none)
     for cb in trainer.callbacks:
         if cb.state_key in saved["callbacks"]:
             cb.load_state_dict(saved["callbacks"][cb.state_key])

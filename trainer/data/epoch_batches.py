@@ -41,7 +41,7 @@ def epoch_batches(trainer: Trainer, loader: Any, skip: int) -> tuple[Any, Iterat
     if starts_there:
         set_rng_state(resume_rng)
         return batches, enumerate(batches, start=skip), empty
-    if skip:
+    if skip and not _split_changed(trainer):  # (if it did, global_batch.py said what the resume does)
         _warn_loading_skipped(loader, skip)
     return batches, _skipping(enumerate(batches), skip, resume_rng), empty
 
@@ -55,6 +55,12 @@ def _skipping(batches: Iterator[tuple[int, Any]], skip: int, resume_rng: dict | 
                 set_rng_state(resume_rng)
             continue
         yield batch_idx, batch
+
+
+def _split_changed(trainer: Trainer) -> bool:
+    """Whether the resumed checkpoint's run split the data over another number of ranks."""
+    saved = trainer.resumed_layout
+    return saved is not None and saved["ranks"] != trainer.data_layout.ranks
 
 
 def _warn_loading_skipped(loader: Any, skip: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .global_batch import DataLayout, layout_of, resumed_batches
 from .loaders import limit_batches, stop_persistent_workers
 
 if TYPE_CHECKING:
@@ -33,7 +34,18 @@ class FitLoaders:
             self._train = self._make_train()
             t.loader_position.attach(self._train)
             t.num_training_batches = limit_batches(self._train, t.limit_train_batches, "limit_train_batches")
+            self._lay_out(t)
         return self._train
+
+    def _lay_out(self, t: Trainer) -> None:
+        """The accumulation from `global_batch_size`, and a resumed epoch's position in this run's batches when
+        the checkpoint's run split its data another way (global_batch.py)."""
+        t.data_layout = layout_of(t, self._train)
+        t.accumulate_grad_batches = t.data_layout.accumulate
+        if t.resumed_layout is not None:
+            saved = DataLayout(**t.resumed_layout)
+            t.state.batches_done_in_epoch = resumed_batches(saved, t.data_layout, t.state.batches_done_in_epoch,
+                                                            t.restore_loader_state)
 
     def stop_workers(self) -> None:
         """At the end of fit: the persistent workers of the loaders built stop (loaders.stop_persistent_workers),

@@ -1,0 +1,121 @@
+"""A run that continues on another number of ranks is the same experiment: `global_batch_size` keeps the samples
+per optimizer step, and a mid-epoch checkpoint resumed on 2, 3 or 4 ranks trains each remaining sample of the
+epoch once, in the uninterrupted run's order, ending with its weights."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks import ModelCheckpoint
+from strategies import get_strategy
+from tests.test_parity import max_relative_difference
+from trainer import Trainer, TrainModule, seed_everything
+
+SAMPLES, FEATURES, BATCH, GLOBAL = 48, 6, 2, 24  # two optimizer steps an epoch at any of 2, 3, 4 ranks
+STEPS = 4  # two epochs; the checkpoint of step 1 is in the middle of the first
+
+
+class Recorded(TrainModule):
+    """Linear regression that notes the samples it trains (by index), with AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.trained: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        self.trained += index.tolist()
+        return F.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randn(SAMPLES, 1, generator=g),
+                         torch.arange(SAMPLES))
+
+
+def body_fit(root: str, strategy: str, ckpt_path: str | None = None, workers: int = 0, **trainer_kwargs) -> dict:
+    """One run on this pool's ranks: the weights, every rank's trained samples by epoch, the warnings."""
+    seed_everything(0)
+    module = Recorded()
+    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=1, save_top_k=-1,
+                                 filename="{step}")]
+    trainer_kwargs.setdefault("global_batch_size", GLOBAL)
+    trainer = Trainer(strategy=get_strategy(strategy), devices=dist.get_world_size(), max_steps=STEPS,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                      default_root_dir=root, **trainer_kwargs)
+    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return {"weights": trainer.strategy.full_state_dict(), "trained": _gathered(module.trained),
+            "accumulate": trainer.accumulate_grad_batches,
+            "warnings": [str(w.message) for w in caught]}
+
+
+def _gathered(items: list[int]) -> list[list[int]]:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, items)
+    return out
+
+
+@pytest.mark.parametrize("strategy, before, after, workers", [
+    ("ddp", 4, 2, 0),
+    ("fsdp", 2, 4, 2),  # with DataLoader workers
+    ("zero2", 4, 3, 0),
+])
+def test_a_mid_epoch_checkpoint_resumed_on_another_number_of_ranks_is_the_same_run(rank_pool, tmp_path, strategy,
+                                                                                   before, after, workers):
+    straight = rank_pool(before).run(body_fit, str(tmp_path / "straight"), strategy, workers=workers)[0]
+    checkpoint = str(tmp_path / "straight" / "ckpt" / "step=1")
+    resumed = rank_pool(after).run(body_fit, str(tmp_path / "resumed"), strategy, checkpoint, workers=workers)[0]
+    assert straight["accumulate"] == GLOBAL // (BATCH * before) and resumed["accumulate"] == GLOBAL // (BATCH * after)
+    # the first epoch: the checkpoint's step, then the resumed run's first step: each sample once
+    trained_before = [i for rank in straight["trained"] for i in rank[: GLOBAL // before]]
+    per_rank_rest = (SAMPLES - GLOBAL) // after
+    trained_after = [i for rank in resumed["trained"] for i in rank[:per_rank_rest]]
+    assert Counter(trained_before + trained_after) == {i: 1 for i in range(SAMPLES)}
+    # the second epoch: every sample once again, over all ranks
+    assert Counter(i for rank in resumed["trained"] for i in rank[per_rank_rest:]) == {i: 1 for i in range(SAMPLES)}
+    assert max_relative_difference(resumed["weights"], straight["weights"]) <= 1e-5
+    assert not [w for w in resumed["warnings"] if "global batch" in w or "train again" in w], resumed["warnings"]
+
+
+def test_without_a_global_batch_size_a_resume_on_fewer_ranks_warns_with_both_sizes(rank_pool, tmp_path):
+    rank_pool(4).run(body_fit, str(tmp_path / "four"), "ddp", global_batch_size=None)
+    checkpoint = str(tmp_path / "four" / "ckpt" / "step=2")
+    resumed = rank_pool(2).run(body_fit, str(tmp_path / "two"), "ddp", checkpoint, global_batch_size=None)[0]
+    said = [w for w in resumed["warnings"] if "global batches of 8 samples" in w]
+    assert len(said) == 1 and "this run on 4" in said[0] and "global_batch_size=8" in said[0], resumed["warnings"]
+
+
+def test_a_global_batch_size_that_does_not_divide_names_the_three_numbers(tmp_path):
+    trainer = Trainer(devices=1, global_batch_size=5, max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"global_batch_size=5 does not divide into batches of 2 .* on 1 "
+                                         r"data-parallel rank: it must be a multiple of 2 x 1 = 2"):
+        trainer.fit(Recorded(), DataLoader(dataset(), batch_size=2))
+    with pytest.raises(ValueError, match="global_batch_size=8 and accumulate_grad_batches=2"):
+        Trainer(devices=1, global_batch_size=8, accumulate_grad_batches=2)
+
+
+def test_a_global_batch_size_on_one_rank_accumulates_as_the_same_run_on_more(tmp_path):
+    seed_everything(0)
+    trainer = Trainer(devices=1, global_batch_size=GLOBAL, max_steps=2, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    module = Recorded()
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    assert trainer.accumulate_grad_batches == GLOBAL // BATCH and len(module.trained) == 2 * GLOBAL
