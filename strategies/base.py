@@ -72,6 +72,9 @@ class Strategy:
 
     name = "custom"
     spec: ShardingSpec = ShardingSpec()
+    reseeds_each_stage = True
+    """Whether the Trainer seeds every generator again from `seed_everything`'s seed at the start of each stage, as
+    Lightning's data-parallel strategies do when they set up the process group (its single-device one does not)."""
 
     def __init__(self, compile: Any = None, compile_options: dict[str, Any] | None = None) -> None:
         self.engine: ShardingEngine | None = None

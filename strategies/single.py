@@ -14,3 +14,4 @@ class SingleDeviceStrategy(Strategy):
 
     name = "single"
     spec = REPLICATED
+    reseeds_each_stage = False  # as Lightning's SingleDeviceStrategy

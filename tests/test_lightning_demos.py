@@ -176,3 +176,49 @@ def test_the_hooks_run_in_lightnings_order_and_the_demos_end_with_lightnings_wei
         Trainer(devices=1, **arguments, **QUIET).fit(our_module)
         assert our_calls == lightnings_calls, name
         assert max_relative_difference(our_module.state_dict(), lightnings.state_dict()) <= 1e-6, name
+
+
+# ------------------------------------------------------------------ two ranks: the seed as Lightning's ddp resets it
+
+def shuffled_training(module_class: type) -> type:
+    """`module_class` whose own `train_dataloader` shuffles: Lightning shuffles every training loader it gives a
+    DistributedSampler, where ours keeps the loader's setting (docs/lightning.md, differences kept on purpose)."""
+
+    def train_dataloader(self):
+        loader = module_class.train_dataloader(self)  # its data drawn from the global generator, as it is
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=True)
+
+    return type(f"Shuffled{module_class.__name__}", (module_class,), {"train_dataloader": train_dataloader})
+
+
+def body_boring_on_two_ranks(name: str, ours: bool, strategy: str) -> dict:
+    """Lightning's demo `name`, its training loader shuffled, on this pool's 2 ranks under our Trainer (`ours`) or
+    Lightning's own (ddp, its default sanity check): rank 0's weights."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos import boring_classes as theirs
+
+    arguments = {"max_epochs": 2, "limit_train_batches": 4, "limit_val_batches": 2, **QUIET}
+    if ours:
+        from trainer import seed_everything
+
+        seed_everything(7)
+        module = shuffled_training(getattr(demo("boring_classes"), name))()
+        trainer = Trainer(strategy=strategy, devices=2, **arguments)
+        trainer.fit(module)
+        return trainer.strategy.full_state_dict()
+    pl.seed_everything(7, verbose=False)
+    module = shuffled_training(getattr(theirs, name))()
+    pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, **arguments).fit(module)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_boring_models_end_with_lightnings_weights_on_two_ranks(rank_pool, strategy):
+    """Lightning's ddp seeds every rank again from `seed_everything`'s seed when it sets up the process group, before
+    the module's hooks build their loaders (BoringModel draws its data from the global generator in them, after the
+    module drew its weights): ours does too, so the data and the weights are Lightning's."""
+    pool = rank_pool(2)
+    for name in ("BoringModel", "ManualOptimBoringModel"):
+        lightnings = pool.run(body_boring_on_two_ranks, name, False, "ddp")[0]
+        ours = pool.run(body_boring_on_two_ranks, name, True, strategy)[0]
+        assert max_relative_difference(ours, lightnings) <= 1e-6, name

@@ -37,6 +37,16 @@ def seed_everything(seed: int = 0) -> int:
     return seed
 
 
+def reset_seed() -> None:
+    """Seed every generator again from the seed `seed_everything` last set (kept in `PL_GLOBAL_SEED`); nothing when
+    none was set. Lightning's ddp and fsdp strategies do this on every rank when they set up the process group, at
+    the start of each fit, validate, test and predict, so the stage's hooks (`configure_model`, a
+    `train_dataloader` that draws random data) see the same random state whatever ran before them."""
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    if seed is not None:
+        seed_everything(int(seed))
+
+
 def rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -15,17 +15,21 @@ from strategies.base import take_back
 from .data.loaders import distributed_loader
 from .datamodule import DataModule, prepare_data
 from .module import TrainModule
+from .seed import reset_seed
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
 
 def setup_stage(trainer: Trainer, module: Any, stage: str, datamodule: DataModule | None = None) -> TrainModule:
-    """The data prepared and set up, then the module: its setup(stage), and once configure_model and the
-    strategy's setup (as Lightning orders them)."""
+    """The random generators seeded again (a data-parallel strategy's habit in Lightning), the data prepared and set
+    up, then the module: its setup(stage), and once configure_model and the strategy's setup (as Lightning orders
+    them)."""
     if not isinstance(module, TrainModule):
         raise TypeError(f"{stage}: module must be a trainer.TrainModule, got {type(module).__name__}")
     trainer.state.stage = stage
+    if trainer.strategy.reseeds_each_stage:
+        reset_seed()  # before the stage's hooks, as Lightning's ddp and fsdp strategies do (its reset_seed)
     module._trainer = trainer
     trainer.datamodule = datamodule
     prepare_data(trainer, [datamodule, module])
