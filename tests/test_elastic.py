@@ -5,8 +5,11 @@ epoch once, in the uninterrupted run's order, ending with its weights."""
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +20,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import ModelCheckpoint
 from strategies import get_strategy
+from tests.ranks import ROOT
+from tests.scripts import elastic_train
+from tests.test_launcher import Job, _free_port
 from tests.test_parity import max_relative_difference
 from trainer import Trainer, TrainModule, seed_everything
 
+ELASTIC_SCRIPT = os.path.join(ROOT, "tests", "scripts", "elastic_train.py")
 SAMPLES, FEATURES, BATCH, GLOBAL = 48, 6, 2, 24  # two optimizer steps an epoch at any of 2, 3, 4 ranks
 STEPS = 4  # two epochs; the checkpoint of step 1 is in the middle of the first
 
@@ -119,3 +126,72 @@ def test_a_global_batch_size_on_one_rank_accumulates_as_the_same_run_on_more(tmp
     module = Recorded()
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     assert trainer.accumulate_grad_batches == GLOBAL // BATCH and len(module.trained) == 2 * GLOBAL
+
+
+# ------------------------------------------------------------------ torchrun --nnodes 1:2: lose a node, continue
+
+LOSSES = {  # the fault of each strategy's run: after step 3, or in the save of step 4 (step 2 is then resumed)
+    "ddp": ("--lose-node-after", "3"),
+    "zero2": ("--lose-node-after", "3"),
+    "fsdp": ("--lose-node-in-save", "4"),
+    "hsdp": ("--lose-node-after", "3"),
+}
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list[Job]]]:
+    """Per strategy, two torchrun agents of 2 ranks each (two "nodes") in one elastic job (`--nnodes 1:2`), all
+    started at once; the second agent is lost mid-epoch, and the first continues alone."""
+    runs = {}
+    for strategy, loss in LOSSES.items():
+        run = tmp_path_factory.mktemp(f"elastic-{strategy}")
+        (run / "root").mkdir()
+        port = _free_port()
+        agents = []
+        for node, extra in enumerate([(), loss]):
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+                    "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "--rdzv-id", strategy, "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=15",
+                    ELASTIC_SCRIPT, "--root", str(run / "root"), "--strategy", strategy, *extra]
+            agents.append(Job(argv, run / f"agent{node}"))
+        runs[strategy] = (run / "root", agents)
+    yield runs
+    for _, agents in runs.values():
+        for agent in agents:
+            agent.kill()
+
+
+def _uninterrupted_elastic_body(root: str, strategy: str) -> None:
+    elastic_train.train(root, strategy)
+
+
+def _lineage(root: Path) -> tuple[list[tuple[int, int, str]], list[int]]:
+    """(world size, global step, checkpoint) per start, and the samples of every batch the final weights learned
+    from: those of the first attempt before the step the second resumed from, then the second attempt's."""
+    starts = [(int(ws), int(step), ckpt) for ws, step, ckpt in (line.split() for line in
+                                                                 (root / "starts.log").read_text().splitlines())]
+    resumed_at = starts[-1][1]
+    batches = [line.split() for f in root.glob("trained-*") for line in f.read_text().splitlines()]
+    kept = [b for b in batches if (int(b[0]) == 0 and int(b[1]) < resumed_at) or (int(b[0]) > 0)]
+    return starts, [(int(step), int(sample)) for _, step, *samples in kept for sample in samples]
+
+
+@pytest.mark.parametrize("strategy", list(LOSSES))
+def test_torchrun_loses_a_node_and_the_run_ends_on_the_other_as_if_uninterrupted(elastic_runs, rank_pool, tmp_path,
+                                                                                  strategy):
+    root, agents = elastic_runs[strategy]
+    survivor, lost = agents[0].result(timeout=400), agents[1].result(timeout=400)
+    assert survivor[0] == 0, survivor[2][-5000:]
+    assert lost[0] == -signal.SIGKILL or lost[0] == 128 + signal.SIGKILL, lost
+    starts, trained = _lineage(root)
+    # from the checkpoint of step 2, the last complete one (the save of step 4 lost under fsdp left none)
+    assert starts == [(4, 0, "None"), (2, 2, "epoch=0-step=2")], starts
+    per_epoch = elastic_train.SAMPLES // elastic_train.GLOBAL_BATCH
+    for epoch in range(elastic_train.STEPS // per_epoch):  # every sample trained once an epoch, none lost or twice
+        learned = Counter(s for step, s in trained if step // per_epoch == epoch)
+        assert learned == {i: 1 for i in range(elastic_train.SAMPLES)}, (epoch, learned)
+    rank_pool(4).run(_uninterrupted_elastic_body, str(tmp_path), strategy)
+    straight = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
+    final = torch.load(root / "final.pt", weights_only=True)
+    assert final["meta"]["world_size"] == 2 and final["trainer"]["state"]["global_step"] == elastic_train.STEPS
+    assert max_relative_difference(final["model"], straight) <= 1e-5
