@@ -195,3 +195,33 @@ def test_torchrun_loses_a_node_and_the_run_ends_on_the_other_as_if_uninterrupted
     final = torch.load(root / "final.pt", weights_only=True)
     assert final["meta"]["world_size"] == 2 and final["trainer"]["state"]["global_step"] == elastic_train.STEPS
     assert max_relative_difference(final["model"], straight) <= 1e-5
+
+
+# ------------------------------------------------------------------ rough edges of a resume
+
+
+class Scheduled(Recorded):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def test_a_resume_from_an_epochs_last_batch_steps_the_scheduler_without_torchs_warning(tmp_path):
+    """The checkpoint of an epoch's last step is saved before the epoch's scheduler step; the resumed run takes
+    that step first, before any optimizer step of its own process, which torch took for a misuse."""
+    def fit(max_epochs: int, ckpt_path: str | None = None) -> tuple[Trainer, list[str]]:
+        seed_everything(0)
+        saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=6, save_top_k=-1,
+                                filename="{step}")
+        trainer = Trainer(devices=1, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=[saver], default_root_dir=str(tmp_path))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(Scheduled(), DataLoader(dataset(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer, [str(w.message) for w in caught]
+
+    straight, _ = fit(2)
+    resumed, said = fit(2, str(tmp_path / "ckpt" / "step=6"))  # 6 batches an epoch: the first epoch's last
+    assert not [w for w in said if "lr_scheduler.step()" in w], said
+    assert resumed.lr_scheduler_configs[0].scheduler.get_last_lr() == [0.025]  # stepped twice, as uninterrupted
+    assert max_relative_difference(resumed.strategy.full_state_dict(), straight.strategy.full_state_dict()) == 0

@@ -4,10 +4,11 @@ keep one: torchdata's `StatefulDataLoader`, or a `DataLoader` without workers ov
 from where the checkpoint was, instead of loading the epoch's trained batches again to skip them.
 
 A map-style loader the Trainer rebuilt with its own sampler keeps its position as a batch count (resume_sampler.py):
-that one works at any world size. A stream whose state leaves out rows it holds (a HuggingFace shuffle buffer) keeps
-no state either: restored, the rows in the buffer at the checkpoint would never be trained, so a resume reads the
-epoch again and skips the batches trained, which is exact (the shuffle is seeded by the epoch). A loader's own state is per rank, so it is restored only at the world size that
-saved it; at another, `fit(..., restore_loader_state=False)` re-reads the epoch's data from its start instead.
+that one works at any world size (global_batch.py). A stream whose state leaves out rows it holds (a HuggingFace
+shuffle buffer) keeps no state either: restored, the rows in the buffer at the checkpoint would never be trained, so
+a resume reads the epoch again and skips the batches trained, which is exact (the shuffle is seeded by the epoch).
+A loader's own state is per rank, so it is restored only at the world size that saved it; at another,
+`fit(..., restore_loader_state=False)` re-reads the epoch's data from its start instead.
 
 The state is stored as plain Python types and tensors (NumPy arrays and scalars converted), so that a checkpoint
 reads back with `torch.load(weights_only=True)`.

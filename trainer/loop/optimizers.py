@@ -8,6 +8,7 @@ a list or tuple of such dicts. A scheduler config steps every `frequency` epochs
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -135,7 +136,10 @@ def step_schedulers(trainer: Trainer, interval: str, count: int) -> None:
         if config.interval != interval or count % config.frequency:
             continue
         if not config.reduce_on_plateau:
-            config.scheduler.step()
+            with warnings.catch_warnings():
+                if trainer.global_step > 0:  # the optimizer stepped, maybe before a resume this process never saw
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                config.scheduler.step()
             continue
         value = trainer.callback_metrics.get(config.monitor)
         if value is None:
