@@ -51,6 +51,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
         "killed": [sys.executable, SCRIPT, "--root", str(tmp / "killed"), "--fault", "kill:2:1"],
         "hangs": [sys.executable, SCRIPT, "--root", str(tmp / "hangs"), "--fault", "hang:2:1",
                   "--timeout", str(TIMEOUT)],
+        # under ddp the first collective of a step is the ranks' agreement after training_step
+        "hangs-ddp": [sys.executable, SCRIPT, "--root", str(tmp / "hangs-ddp"), "--fault", "hang:2:1",
+                      "--timeout", str(TIMEOUT), "--strategy", "ddp"],
         "node0": [*node, "--node-rank", "0", *lost_node],
         "node1": [*node, "--node-rank", "1", *lost_node],
         # rank 0 pauses after step 3 while a thread sends it the signal, as a cluster or Ctrl-C would
@@ -160,6 +163,13 @@ def test_a_hanging_rank_makes_the_others_fail_at_the_timeout_naming_the_step_and
     assert re.search(r"batch 2: all-gather of the parameters of unit '[^']+': ", err), err[-3000:]  # the unit
     assert TIMEOUT - 0.5 < _seconds(job.workdir, "fault_at", "failed_at.rank0") < TIMEOUT + 5
     _assert_no_survivors(job.workdir)
+
+
+def test_a_timeout_in_the_ranks_agreement_after_training_step_names_it(jobs):
+    code, _, err = jobs["hangs-ddp"].result(timeout=150)
+    assert code != 0
+    assert re.search(r"rank 0 failed at global step 2, epoch 0, batch 2: all-reduce of the ranks' agreement after "
+                     r"training_step \(.*\): .*Timed out", err), err[-3000:]
 
 
 # -- a lost node under torchrun -------------------------------------------------------------------------------

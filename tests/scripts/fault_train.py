@@ -1,7 +1,7 @@
 """Rank program for tests/test_faults.py: a tiny deterministic fit that checkpoints every 3 steps, resumes with
 ckpt_path="last", and can hurt itself on purpose.
 
-python tests/scripts/fault_train.py --root DIR --devices 2 [--fault KIND:STEP:RANK ...] [--timeout S]
+python tests/scripts/fault_train.py --root DIR --devices 2 [--fault KIND:STEP:RANK ...] [--timeout S] [--strategy S]
   kill   rank RANK SIGKILLs itself once global step STEP is done
   save   rank RANK SIGKILLs itself in the checkpoint save at step STEP, after writing its own file (before
          meta.json, which makes a checkpoint complete)
@@ -121,10 +121,11 @@ class Faults(Callback):
             time.sleep(0.05)
 
 
-def train(root: str, devices: int = 2, faults: list[str] | None = None, timeout: float = 60) -> Trainer:
+def train(root: str, devices: int = 2, faults: list[str] | None = None, timeout: float = 60,
+          strategy: str = "fsdp") -> Trainer:
     seed_everything(0)
     saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=3)
-    trainer = Trainer(strategy="fsdp", devices=devices, max_steps=10, deterministic=True, logger=False,
+    trainer = Trainer(strategy=strategy, devices=devices, max_steps=10, deterministic=True, logger=False,
                       enable_progress_bar=False, callbacks=[Faults(root, faults or []), saver], timeout=timeout)
     try:
         trainer.fit(Net(), loader(), ckpt_path="last")
@@ -142,8 +143,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--fault", action="append", default=[])
     parser.add_argument("--timeout", type=float, default=60)
+    parser.add_argument("--strategy", default="fsdp")
     args = parser.parse_args()
-    trainer = train(args.root, args.devices, args.fault, args.timeout)
+    trainer = train(args.root, args.devices, args.fault, args.timeout, args.strategy)
     print(f"rank {trainer.global_rank} done at step {trainer.global_step}", flush=True)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,13 @@ def count_across_ranks(strategy: Any, flags: tuple[bool | torch.Tensor, ...]) ->
     packed = torch.zeros((), dtype=torch.int64, device=strategy.root_device)
     for i, flag in enumerate(flags):
         packed += (flag.long() if isinstance(flag, torch.Tensor) else int(flag)) * base**i
-    total = int(strategy.all_reduce(packed, op="sum").item())
+    try:
+        total = int(strategy.all_reduce(packed, op="sum").item())
+    except RuntimeError as error:  # a collective's failure (gloo: RuntimeError; nccl: DistError): say which
+        if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
+            raise
+        raise type(error)(f"all-reduce of the ranks' agreement after training_step (skipped batch, non-finite "
+                          f"loss, stop signal, last batch, max_time): {error}") from error
     return [total // base**i % base for i in range(len(flags))]
 
 
