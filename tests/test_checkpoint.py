@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
@@ -405,6 +407,27 @@ def test_a_corrupted_or_truncated_file_is_named_and_refused(saved, tmp_path):
     os.remove(os.path.join(flipped, "meta.json"))
     with pytest.raises(ValueError, match=r"meta\.json is missing"):
         ckpt_io.load_full_state_dict(flipped)
+
+
+def _damaged_resume_body(root: str, path: str) -> str:
+    """Resume from `path` on this pool's ranks; the error this rank raised."""
+    with pytest.raises(ckpt_io.CheckpointError) as raised:
+        fit(os.path.join(root, str(dist.get_rank())), "fsdp", 2, max_steps=4, ckpt_path=path)
+    return str(raised.value)
+
+
+def test_a_file_that_only_one_rank_reads_is_named_by_every_rank(saved, rank_pool, tmp_path):
+    """Each rank reads and checks its own pieces: the rank that finds a damaged item raises, and the others say
+    which rank found what, instead of failing at their next collective with gloo's "connection closed"."""
+    root, _ = saved
+    flipped = str(tmp_path / "flipped")
+    shutil.copytree(os.path.join(root, "fsdp"), flipped)
+    offset, length = _item_of(flipped, "model.net.", "__1_0.distcp")  # rank 1's shard of a weight
+    _flip_byte(os.path.join(flipped, "__1_0.distcp"), offset + length - 20)
+    said = rank_pool(2).run(_damaged_resume_body, str(tmp_path), flipped)
+    damaged = re.escape(f"checkpoint file {os.path.join(flipped, '__1_0.distcp')!r} is corrupted")
+    assert re.match(damaged, said[1]), said
+    assert re.match(r"another rank could not read its part of the checkpoint: rank 1: " + damaged, said[0]), said
 
 
 def test_the_trainer_state_of_a_weights_only_file_is_refused_by_name(tmp_path):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..sharding import FlatPieces
+from .errors import read_on_every_rank
 from .format import FORMAT_VERSION, META, optim_key
 from .source import Source
 
@@ -141,7 +142,7 @@ def read_into(strategy: Strategy, source: Source, model_key: str,
                 place(saved["keys"][name, key], target)
     for key, target in (more or {}).items():
         place(key, target)
-    source.read(plain, shards)
+    read_on_every_rank(strategy, lambda: source.read(plain, shards))
     strategy.state_loaded()
     for optimizer, saved in optimizers:
         for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):

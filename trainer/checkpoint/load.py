@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strategies.checkpoint import model_state
+from strategies.checkpoint.errors import read_on_every_rank
 from strategies.checkpoint.format import EMA, LOADER, META, MODEL, RNG, TRAINER, CheckpointError, optim_key
 from strategies.checkpoint.model_state import read_meta_item
 from strategies.checkpoint.source import Source, open_source
@@ -35,7 +36,8 @@ def restore(trainer: Trainer, path: str, weights_only: bool, trust_pickled: bool
     tops = set() if weights_only else {TRAINER, *([f"{RNG}.{trainer.global_rank}"] if same_world else [])}
     tops |= {loader_key} if restore_loader else set()
     keyed = [] if weights_only else optimizers(trainer)
-    objects = source.read({key: None for key in model_state.object_keys(source, tops | {k for k, _, _ in keyed})})
+    wanted = {key: None for key in model_state.object_keys(source, tops | {k for k, _, _ in keyed})}
+    objects = read_on_every_rank(trainer.strategy, lambda: source.read(wanted))
     if not weights_only and TRAINER not in objects:
         raise ValueError(
             f"ckpt_path={path!r} holds weights only; fit resumes from a checkpoint directory or from a file "
