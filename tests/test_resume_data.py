@@ -295,3 +295,85 @@ def test_a_stage_stops_the_persistent_workers_of_its_loaders_when_it_ends(tmp_pa
     else:
         trainer.validate(Validated(), loader)
     assert multiprocessing.active_children() == []
+
+
+# ------------------------------------------------------------------ LitData's StreamingDataset, in its own format
+
+LIT_ROWS, LIT_BATCH = 48, 2  # global batches of 8: 6 steps an epoch
+
+
+def _lit_row(index: int) -> dict:
+    g = torch.Generator().manual_seed(index)
+    return {"idx": index, "x": torch.randn(FEATURES, generator=g), "y": torch.randn(1, generator=g)}
+
+
+@pytest.fixture(scope="module")
+def lit_data(tmp_path_factory) -> str:
+    """48 rows written by LitData's own `optimize` (its binary chunks and index.json), 6 rows a chunk."""
+    litdata = pytest.importorskip("litdata")
+    folder = str(tmp_path_factory.mktemp("litdata") / "rows")
+    litdata.optimize(fn=_lit_row, inputs=list(range(LIT_ROWS)), output_dir=folder, chunk_size=6, num_workers=1)
+    return folder
+
+
+class LitRegression(Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))  # no dropout: any world size
+        self.trained: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        self.trained += batch["idx"].tolist()
+        return F.mse_loss(self.net(batch["x"]), batch["y"])
+
+
+def fit_lit(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
+    """A run on LitData's shuffled stream, which splits itself by rank: the weights, every rank's rows trained."""
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    from callbacks import ModelCheckpoint
+
+    seed_everything(0)
+    loader = StreamingDataLoader(StreamingDataset(data, shuffle=True, seed=3, drop_last=True), batch_size=LIT_BATCH,
+                                 num_workers=workers)
+    saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_top_k=-1,
+                            filename="{step}")
+    devices = dist.get_world_size() if dist.is_initialized() else 1
+    trainer = Trainer(strategy=FSDPStrategy() if name == "fsdp" else name, devices=devices, max_steps=max_steps,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[saver],
+                      default_root_dir=root, global_batch_size=8)
+    module = LitRegression()
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    trained = trainer.strategy.all_gather_object(module.trained)
+    return {"weights": trainer.strategy.full_state_dict(), "trained": trained}
+
+
+def body_lit(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
+    return fit_lit(os.path.join(root, f"{dist.get_world_size()}"), data, name, workers, max_steps, ckpt_path)
+
+
+@pytest.mark.parametrize("name, workers, before, after", [
+    ("ddp", 0, 2, 2),  # the same world size: LitData's own state, exactly
+    ("fsdp", 2, 4, 2),  # with workers, 4 -> 2 ranks: LitData's elastic resume
+    ("ddp", 0, 2, 1),  # 2 -> 1 rank
+])
+def test_litdata_resumes_from_its_own_state_on_fewer_ranks(rank_pool, tmp_path, lit_data, name, workers, before,
+                                                           after):
+    """The first epoch's rows: those trained before the checkpoint of step 4 and those after it, each once.
+    (LitData 0.2.76 refuses more ranks than the checkpoint's when a rank's share of the epoch would be shorter
+    than what each old rank had read: its own ValueError, from the loader.)"""
+    from collections import Counter
+
+    straight = rank_pool(before).run(body_lit, str(tmp_path / "straight"), lit_data, name, workers, 12)[0]
+    checkpoint = str(tmp_path / "straight" / str(before) / "ckpt" / "step=4")
+    if after == 1:
+        resumed = fit_lit(str(tmp_path / "resumed"), lit_data, name, workers, 12, checkpoint)
+    else:
+        resumed = rank_pool(after).run(body_lit, str(tmp_path / "resumed"), lit_data, name, workers, 12,
+                                       checkpoint)[0]
+    trained_before = [i for rank in straight["trained"] for i in rank[:32 // before]]  # 4 steps of 8 rows
+    rest = [i for rank in resumed["trained"] for i in rank[:(LIT_ROWS - 32) // after]]
+    assert Counter(trained_before + rest) == {i: 1 for i in range(LIT_ROWS)}, (sorted(trained_before), sorted(rest))
+    if after == before:
+        assert resumed["trained"] == [rank[32 // before:] for rank in straight["trained"]]
+        assert_states_close(resumed["weights"], straight["weights"], atol=0)

@@ -16,7 +16,6 @@ from strategies.checkpoint.format import EMA, LOADER, META, MODEL, RNG, TRAINER,
 from strategies.checkpoint.model_state import read_meta_item
 from strategies.checkpoint.source import Source, open_source
 
-from ..data.loader_state import check_world_size
 from .trainer_state import callbacks_sharded_targets, optimizers, restore_trainer_state
 
 if TYPE_CHECKING:
@@ -30,9 +29,8 @@ def restore(trainer: Trainer, path: str, weights_only: bool, trust_pickled: bool
     same_world = meta.get("world_size") == trainer.world_size
     with_loader = not weights_only and any(p[0] == LOADER for p in source.paths.values())
     restore_loader = with_loader and trainer.restore_loader_state
-    if restore_loader:
-        check_world_size(path, meta.get("world_size"), trainer.world_size)
-    loader_key = f"{LOADER}.{trainer.global_rank}"
+    saved_world_size = meta.get("world_size", trainer.world_size)
+    loader_key = f"{LOADER}.{trainer.global_rank % saved_world_size}"  # (another world size: checked with the loader)
     tops = set() if weights_only else {TRAINER, *([f"{RNG}.{trainer.global_rank}"] if same_world else [])}
     tops |= {loader_key} if restore_loader else set()
     keyed = [] if weights_only else optimizers(trainer)
@@ -50,6 +48,7 @@ def restore(trainer: Trainer, path: str, weights_only: bool, trust_pickled: bool
     if not weights_only:
         restore_trainer_state(trainer, objects[TRAINER], objects.get(f"{RNG}.{trainer.global_rank}"))
         trainer.loader_position.pending = objects.get(loader_key)
+        trainer.loader_position.pending_from = (path, saved_world_size)
 
 
 def check_compatible(

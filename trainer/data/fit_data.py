@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .global_batch import DataLayout, layout_of, resumed_batches
+from .loader_state import check_world_size
 from .loaders import limit_batches, stop_persistent_workers
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ class FitLoaders:
     def _lay_out(self, t: Trainer) -> None:
         """The accumulation from `global_batch_size`, and a resumed epoch's position in this run's batches when
         the checkpoint's run split its data another way (global_batch.py)."""
+        if t.loader_position.pending is not None:  # a loader's own state, per rank: refused on another world size
+            check_world_size(*t.loader_position.pending_from, t.world_size, self._train)
         t.data_layout = layout_of(t, self._train)
         t.accumulate_grad_batches = t.data_layout.accumulate
         if t.resumed_layout is not None:

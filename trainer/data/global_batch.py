@@ -9,7 +9,9 @@ how its epoch was split (`DataLayout`); a resume on another layout converts the 
   size) out to the ranks in turn, so its first `k` batches on every rank are the permutation's first
   `k * batch_size * ranks` samples. Skipping the samples trained before the checkpoint then skips exactly those, at
   any world size: the resumed run trains the rest of the epoch in the uninterrupted run's order, each once.
-- A stream (an iterable dataset, or a loader with a sampler of the user's) is split by the stream itself: its
+- LitData's `StreamingDataLoader` keeps the stream's global position in its state and resumes it on any number of
+  ranks itself (its elastic resume); the Trainer gives every new rank an old rank's state.
+- Any other stream (an iterable dataset, or a loader with a sampler of the user's) is split by the stream itself: its
   state or its batch count on one number of ranks says nothing of what another split has trained, so a resume on
   another number of ranks in the middle of an epoch is refused, unless `restore_loader_state=False` accepts that
   the epoch is read again and each rank skips as many samples as it would have trained (named in a warning).
@@ -21,19 +23,20 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .loader_state import LOADER_STATE_ARGUMENT
+from .loader_state import LOADER_STATE_ARGUMENT, resumes_on_any_world_size
 from .stream_check import split_by_the_trainer
 
 
 @dataclass(frozen=True)
 class DataLayout:
     """How a run splits its training epochs: the loader's batch size (per rank), the data-parallel ranks, the
-    gradient accumulation, and whether the Trainer's sampler splits the data."""
+    gradient accumulation, and whether a position in an epoch carries over to another number of ranks (`elastic`:
+    the Trainer's sampler, or a loader whose own state resumes anywhere, loader_state.resumes_on_any_world_size)."""
 
     batch_size: int | None
     ranks: int
     accumulate: int
-    by_trainer: bool
+    elastic: bool
 
     @property
     def global_batch(self) -> int | None:
@@ -68,7 +71,7 @@ def layout_of(trainer: Any, loader: Any) -> DataLayout:
     accumulate = trainer.accumulate_grad_batches
     if trainer.global_batch_size is not None:
         accumulate = accumulation_for(trainer.global_batch_size, batch_size, ranks)
-    return DataLayout(batch_size, ranks, accumulate, split_by_the_trainer(loader))
+    return DataLayout(batch_size, ranks, accumulate, split_by_the_trainer(loader) or resumes_on_any_world_size(loader))
 
 
 def resumed_batches(saved: DataLayout, now: DataLayout, batches_done: int, restore_loader_state: bool) -> int:
@@ -85,7 +88,7 @@ def resumed_batches(saved: DataLayout, now: DataLayout, batches_done: int, resto
     trained = batches_done * saved.batch_size * saved.ranks  # samples, over all ranks
     per_batch = now.batch_size * now.ranks
     skip, repeated = divmod(trained, per_batch)
-    if not (saved.by_trainer and now.by_trainer):
+    if not (saved.elastic and now.elastic):
         return _stream_batches(saved, now, trained, skip, restore_loader_state)
     if repeated:
         warnings.warn(

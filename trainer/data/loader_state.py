@@ -7,8 +7,9 @@ A map-style loader the Trainer rebuilt with its own sampler keeps its position a
 that one works at any world size (global_batch.py). A stream whose state leaves out rows it holds (a HuggingFace
 shuffle buffer) keeps no state either: restored, the rows in the buffer at the checkpoint would never be trained, so
 a resume reads the epoch again and skips the batches trained, which is exact (the shuffle is seeded by the epoch).
-A loader's own state is per rank, so it is restored only at the world size that saved it; at another,
-`fit(..., restore_loader_state=False)` re-reads the epoch's data from its start instead.
+A loader's own state is per rank, so it is restored only at the world size that saved it (LitData's, which holds
+the global position, at any); at another, `fit(..., restore_loader_state=False)` re-reads the epoch's data from its
+start instead.
 
 The state is stored as plain Python types and tensors (NumPy arrays and scalars converted), so that a checkpoint
 reads back with `torch.load(weights_only=True)`.
@@ -82,6 +83,7 @@ class LoaderPosition:
     def __init__(self) -> None:
         self.target: Any = None  # what holds the position (stateful_part)
         self.pending: dict | None = None  # a checkpoint's state, loaded into the target when its epoch starts
+        self.pending_from: tuple[str, int] | None = None  # (the checkpoint, its world size) when pending
         self._taken: dict | None = None  # state after the latest batch taken, when batches are looked ahead
 
     def attach(self, loader: Any) -> None:
@@ -116,9 +118,17 @@ class LoaderPosition:
         return True
 
 
-def check_world_size(path: str, saved_world_size: Any, world_size: int) -> None:
-    """A checkpoint with per-rank loader state, restored, resumes at its own world size only."""
-    if saved_world_size != world_size:
+def resumes_on_any_world_size(loader: Any) -> bool:
+    """Whether `loader`'s own state resumes on another number of ranks: LitData's `StreamingDataLoader`, whose state
+    holds the stream's global position (every rank's is alike) and which resumes it without repeating a sample
+    on a new number of ranks or workers (its elastic resume)."""
+    return type(loader).__module__.split(".")[0] == "litdata" and _has_state(loader)
+
+
+def check_world_size(path: str, saved_world_size: Any, world_size: int, loader: Any) -> None:
+    """A checkpoint with per-rank loader state, restored, resumes at its own world size only, unless the loader's
+    state resumes anywhere."""
+    if saved_world_size != world_size and not resumes_on_any_world_size(loader):
         raise ValueError(
             f"ckpt_path={path!r} holds the training loader's own state of each of its {saved_world_size} ranks "
             f"(where each rank's stream was), and this run has {world_size}: a rank's state cannot be split or "
