@@ -54,6 +54,17 @@ def dataset() -> TensorDataset:
                          torch.arange(SAMPLES))
 
 
+class Augmented(TensorDataset):
+    """`dataset()` with noise drawn from torch's generator at every load (in DataLoader workers)."""
+
+    def __init__(self) -> None:
+        super().__init__(*dataset().tensors)
+
+    def __getitem__(self, index):
+        x, y, i = super().__getitem__(index)
+        return x + 0.3 * torch.randn(FEATURES), y, i
+
+
 def body_fit(root: str, strategy: str, ckpt_path: str | None = None, workers: int = 0, **trainer_kwargs) -> dict:
     """One run on this pool's ranks: the weights, every rank's trained samples by epoch, the warnings."""
     seed_everything(0)
@@ -64,7 +75,8 @@ def body_fit(root: str, strategy: str, ckpt_path: str | None = None, workers: in
     trainer = Trainer(strategy=get_strategy(strategy), devices=dist.get_world_size(), max_steps=STEPS,
                       logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                       default_root_dir=root, **trainer_kwargs)
-    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    # with workers, random augmentation: each sample is loaded with a random state of its own, at any world size
+    loader = DataLoader(Augmented() if workers else dataset(), batch_size=BATCH, shuffle=True, num_workers=workers)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, loader, ckpt_path=ckpt_path)
@@ -81,7 +93,7 @@ def _gathered(items: list[int]) -> list[list[int]]:
 
 @pytest.mark.parametrize("strategy, before, after, workers", [
     ("ddp", 4, 2, 0),
-    ("fsdp", 2, 4, 2),  # with DataLoader workers
+    ("fsdp", 2, 4, 2),  # with DataLoader workers and random augmentation
     ("zero2", 4, 3, 0),
 ])
 def test_a_mid_epoch_checkpoint_resumed_on_another_number_of_ranks_is_the_same_run(rank_pool, tmp_path, strategy,

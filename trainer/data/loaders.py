@@ -108,7 +108,7 @@ def distributed_loader(
             seed=seed,
             drop_last=loader.drop_last,
             batch_size=loader.batch_size,
-            seed_batches=loader.num_workers > 0,
+            seed_samples=loader.num_workers > 0,
         )
         sampling = {"batch_size": loader.batch_size, "sampler": sampler, "drop_last": loader.drop_last}
     loader_class, extra = _same_kind(loader)
