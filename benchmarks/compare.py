@@ -82,7 +82,8 @@ AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "torch-hsdp", "ddp", "zero
 
 
 def theory_bytes(variant: str, params: int, world: int) -> float:
-    """Per-rank model-state bytes (fp32 Adam) of DESIGN.md's table; torch's variants as their counterparts."""
+    """Per-rank model-state bytes (fp32 Adam) of the table in docs/architecture.md; torch's variants as their
+    counterparts."""
     p, n = params, world
     for suffix in ("+compile", *WATCHED):
         variant = variant.removesuffix(suffix)

@@ -7,7 +7,7 @@
 Every part runs in its own process with its own timeout, at world size 1 over nccl (gloo on CPU): the correctness
 parts (several at once, --jobs) compare the project with plain torch, fp32 with TF32 off to 1e-5 and the
 reduced-precision modes by their loss curves to 2%; the speed parts run alone afterwards. The script prints a
-correctness table, the speed tables and a last line `gpu: K/N checks hold`. With $OUT set (the device tool) the
+correctness table, the speed tables and a last line `gpu: K/N checks hold`. With $OUT set (a folder) the
 parts' whole log, the results as JSON and the profiler traces are written there.
 """
 

@@ -9,10 +9,11 @@
 
 Each strategy runs as its own 2-rank job (started by the Trainer). After set-up, each rank resets its kernel
 peak-RSS counter (/proc/self/clear_refs), trains a few AdamW steps, and reports its peak resident memory, the
-engine's memory report, and the theoretical model-state bytes of DESIGN.md's table. Beside them: the memory plan's
-total per rank (strategies/plan, computed here on the meta device) against the peak above the process's baseline:
-its resident memory once torch, gloo and the Trainer are up and torch._dynamo is imported (torch.optim imports it
-with the first optimizer: ~150 MiB of code in every training process), before the model is built; the ratio is
+engine's memory report, and the theoretical model-state bytes of the table in docs/architecture.md. Beside them:
+the memory plan's total per rank (strategies/plan, computed here on the meta device) against the peak above the
+process's baseline: its resident memory once torch, gloo and the Trainer are up and torch._dynamo is imported
+(torch.optim imports it with the first optimizer: ~150 MiB of code in every training process), before the model is
+built; the ratio is
 taken less the file pages read in meanwhile (RssFile: torch's kernels' code that the first step touches, ~20 MiB,
 not data the plan counts). With --training-only that is all; otherwise, checkpoints:
 - a full checkpoint (`save_checkpoint(path, full=True)`, one file written by rank 0 a batch at a time): how far

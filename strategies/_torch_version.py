@@ -1,4 +1,4 @@
-"""The oldest torch the project supports (pyproject.toml says the same): 2.11, what the GPU machines have."""
+"""The oldest torch the project supports (pyproject.toml says the same): 2.11."""
 
 from __future__ import annotations
 

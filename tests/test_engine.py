@@ -284,7 +284,7 @@ def engine_report(engine: ShardingEngine) -> dict[str, int]:
 
 
 def test_memory_report_matches_the_table(rank_pool):
-    """DESIGN.md, Adam in fp32: parameters / gradients / optimizer state bytes per rank are
+    """docs/architecture.md, Adam in fp32: parameters / gradients / optimizer state bytes per rank are
     ddp 4P / 4P / 8P, zero1 4P / 4P / 8P/N, zero2 4P / 4P/N / 8P/N, fsdp 4P/N / 4P/N / 8P/N,
     each within the padding (fewer than N elements per unit)."""
     N, P = 2, 182

@@ -75,7 +75,7 @@ def body_hybrid_memory_and_communication() -> dict:
 
 
 def test_hybrid_memory_and_communication_follow_the_group_size(rank_pool):
-    """Per rank: the model state of sharding over G = 2 ranks (DESIGN.md's table with N = G), whatever the
+    """Per rank: the model state of sharding over G = 2 ranks (docs/architecture.md's table with N = G), whatever the
     world size; per step: the collectives of fsdp / zero2 within the group (all-gathers of P, a reduce-scatter of
     P plus the used flags) and an all-reduce of each rank's reduced shard (and the flags) across the groups."""
     P, slack = 182, 3 * 2 * 4  # Plain: 182 parameters in 3 units; padding < G elements per unit

@@ -1,5 +1,5 @@
-"""Invariant 1 of the design: every strategy at every world size ends with the weights of one process trained on
-the concatenated global batch, through the real Trainer.fit on real gloo ranks.
+"""Invariant 1 (docs/architecture.md): every strategy at every world size ends with the weights of one process
+trained on the concatenated global batch, through the real Trainer.fit on real gloo ranks.
 
 The model has what needs care: an embedding tied to the output head, a frozen parameter, two parameter groups
 (decay and no-decay, with different learning rates), and unit sizes that do not divide by 2 or 3, so that

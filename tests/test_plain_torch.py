@@ -1,4 +1,4 @@
-"""Invariant 5 of the design: after `setup_module` the model is an ordinary module that plain torch drives.
+"""Invariant 5 in docs/architecture.md: after `setup_module` the model is an ordinary module that plain torch drives.
 
 A loop with no Trainer (`model(x)`, `loss.backward()`, `optimizer.step()`, `optimizer.zero_grad()`), on the
 process group the user made (the pool's, as under torchrun), must give the weights of one process trained with

@@ -1,6 +1,6 @@
-"""The memory plan: model-state bytes from the engine's own layout (checked against the ZeRO paper, DESIGN.md's
-table and the engine's memory report after real set-up), activations counted from a forward and backward on fake
-tensors, the command line and its JSON, and Trainer(strategy="auto") deciding by the plan."""
+"""The memory plan: model-state bytes from the engine's own layout (checked against the ZeRO paper, the table in
+docs/architecture.md and the engine's memory report after real set-up), activations counted from a forward and
+backward on fake tensors, the command line and its JSON, and Trainer(strategy="auto") deciding by the plan."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_zero_paper_figure_1():
 
 
 def test_fp32_model_state_follows_the_design_table():
-    """DESIGN.md, Adam in fp32: 16P, 8P + 8P/N, 4P + 12P/N, 16P/N (P divisible by N: no padding)."""
+    """docs/architecture.md, Adam in fp32: 16P, 8P + 8P/N, 4P + 12P/N, 16P/N (P divisible by N: no padding)."""
     model, n = LinearStack(3, 8), 4
     p = 3 * 8 * 8
     want = {"ddp": 16 * p, "zero1": 8 * p + 8 * p // n, "zero2": 4 * p + 12 * p // n, "fsdp": 16 * p // n}

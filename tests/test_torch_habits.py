@@ -1,5 +1,5 @@
-"""Invariant 6 of the design: the habits users bring from plain torch, DDP and Lightning give one process's numbers
-or a clear error, under every strategy.
+"""Invariant 6 (docs/architecture.md): the habits users bring from plain torch, DDP and Lightning give one
+process's numbers or a clear error, under every strategy.
 
 - torch's gradient utilities (`torch.nn.utils.clip_grad_norm_`, `clip_grad_value_`) on `model.parameters()`: the
   global norm over every rank's shards, every shard clipped; in the plain loop, in `on_before_optimizer_step` and

@@ -1,4 +1,4 @@
-"""Bytes the engine holds on this rank, by kind (invariant 2 of the design)."""
+"""Bytes the engine holds on this rank, by kind (invariant 2 in docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def resumed_batches(saved: DataLayout, now: DataLayout, batches_done: int, resto
     trained = batches_done * saved.batch_size * saved.ranks  # samples, over all ranks
     per_batch = now.batch_size * now.ranks
     skip, repeated = divmod(trained, per_batch)
-    if not (saved.elastic and now.elastic):
+    if not (saved.elastic and now.elastic) and saved.ranks != now.ranks:
         return _stream_batches(saved, now, trained, skip, restore_loader_state)
     if repeated:
         warnings.warn(
