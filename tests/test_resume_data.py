@@ -264,6 +264,32 @@ def test_a_resumed_shuffled_stream_trains_every_row_of_the_epoch_once(rank_pool,
             fit_one_process(str(tmp_path / "opt-out"), checkpoint, shuffle_buffer=6, restore_loader_state=False)
 
 
+def body_stream_to_an_epochs_end(root: str, checkpoint: str) -> None:
+    trainer = Trainer(strategy="ddp", devices=2, max_steps=6, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=root)
+    log_dir = os.path.join(root, f"rank{dist.get_rank()}")
+    os.makedirs(log_dir)
+    seed_everything(0)
+    trainer.fit(StreamRegression(), stream_loader(log_dir, dist.get_rank(), 2, 0, True))  # 6 batches: one epoch
+    trainer.save_checkpoint(checkpoint)
+
+
+def test_a_stream_checkpoint_at_an_epochs_end_resumes_on_another_number_of_ranks(rank_pool, tmp_path):
+    """A checkpoint after an epoch's last batch (here fit's max_steps ends there) leaves nothing of that epoch to
+    train: on one rank the next epoch starts the stream afresh, split over the new ranks, each row once."""
+    from collections import Counter
+
+    checkpoint = str(tmp_path / "at-the-end")
+    rank_pool(2).run(body_stream_to_an_epochs_end, str(tmp_path / "two"), checkpoint)
+    os.makedirs(tmp_path / "one" / "rank0")
+    trainer = Trainer(devices=1, max_steps=6 + ROWS // STREAM_BATCH, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path / "one"))
+    module = StreamRegression()
+    trainer.fit(module, stream_loader(str(tmp_path / "one" / "rank0"), 0, 1, 0, True), ckpt_path=checkpoint)
+    assert Counter(module.trained) == {row: 1 for row in range(ROWS)}
+    assert (trainer.current_epoch, trainer.global_step) == (1, 6 + ROWS // STREAM_BATCH)
+
+
 def body_unsplit_stream(root: str) -> list[str]:
     return fit_stream(root, "ddp", 0, True, max_steps=1, split=False)["warnings"]
 

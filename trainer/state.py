@@ -16,6 +16,7 @@ class TrainerState:
     batches_done_in_epoch: int = (
         0  # micro-batches of the current epoch already trained (for mid-epoch resume)
     )
+    epoch_complete: bool = False  # every batch of the current epoch is trained; its end (hooks, schedulers) is not
     time_elapsed: float = 0.0  # seconds of training so far, over resumes too (max_time counts them); checkpoints
     # keep it beside the rest of this state, which is the same for runs that trained alike
 

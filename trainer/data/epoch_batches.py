@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 def epoch_batches(trainer: Trainer, loader: Any, skip: int) -> tuple[Any, Iterator[tuple[int, Any]], bool]:
     """(this epoch's batch source, its (batch_idx, batch) from batch `skip` on, whether the epoch is empty on every
-    rank because some rank has no batch at all). `skip` is the number of batches trained before a resume."""
+    rank because some rank has no batch at all). `skip` is the number of batches trained before a resume; a
+    resume after the epoch's last batch has none left to read."""
+    if trainer.state.epoch_complete:
+        return loader, iter(()), False
     resume_rng = rng_state() if skip else None  # the checkpoint's
     restored = bool(skip) and trainer.loader_position.restore()
     empty = False

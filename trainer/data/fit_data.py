@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .global_batch import DataLayout, layout_of, resumed_batches
+from .global_batch import DataLayout, layout_of, resumed_batches, warn_if_the_global_batch_changed
 from .loader_state import check_world_size
 from .loaders import limit_batches, stop_persistent_workers
 
@@ -41,12 +41,17 @@ class FitLoaders:
     def _lay_out(self, t: Trainer) -> None:
         """The accumulation from `global_batch_size`, and a resumed epoch's position in this run's batches when
         the checkpoint's run split its data another way (global_batch.py)."""
+        if t.state.epoch_complete:  # resumed after an epoch's last batch: nothing of it is left to read
+            t.loader_position.pending = None
         if t.loader_position.pending is not None:  # a loader's own state, per rank: refused on another world size
             check_world_size(*t.loader_position.pending_from, t.world_size, self._train)
         t.data_layout = layout_of(t, self._train)
         t.accumulate_grad_batches = t.data_layout.accumulate
-        if t.resumed_layout is not None:
-            saved = DataLayout(**t.resumed_layout)
+        if t.resumed_layout is None:
+            return
+        saved = DataLayout(**t.resumed_layout)
+        warn_if_the_global_batch_changed(saved, t.data_layout)
+        if not t.state.epoch_complete:
             t.state.batches_done_in_epoch = resumed_batches(saved, t.data_layout, t.state.batches_done_in_epoch,
                                                             t.restore_loader_state)
 

@@ -77,7 +77,6 @@ def layout_of(trainer: Any, loader: Any) -> DataLayout:
 def resumed_batches(saved: DataLayout, now: DataLayout, batches_done: int, restore_loader_state: bool) -> int:
     """The batches each rank of `now` skips in the epoch a checkpoint of layout `saved` stopped in after
     `batches_done` batches per rank; warns where that is not exact, and refuses a stream split another way."""
-    _warn_if_the_global_batch_changed(saved, now)
     if batches_done == 0 or (saved.batch_size, saved.ranks) == (now.batch_size, now.ranks):
         return batches_done
     if None in (saved.batch_size, now.batch_size):
@@ -115,12 +114,13 @@ def _stream_batches(saved: DataLayout, now: DataLayout, trained: int, skip: int,
         f"the checkpoint are not the ones skipped now: each of the {now.ranks} ranks reads its part of the stream "
         f"again and skips its first {skip * now.batch_size} samples ({skip * now.batch_size * now.ranks} in all), "
         "so in this epoch some samples train twice and as many not at all",
-        stacklevel=5,
+        stacklevel=4,
     )
     return skip
 
 
-def _warn_if_the_global_batch_changed(saved: DataLayout, now: DataLayout) -> None:
+def warn_if_the_global_batch_changed(saved: DataLayout, now: DataLayout) -> None:
+    """Without `global_batch_size`, a resume on another number of ranks changes the samples per optimizer step."""
     if saved.global_batch is None or now.global_batch is None or saved.global_batch == now.global_batch:
         return
     warnings.warn(
@@ -128,5 +128,5 @@ def _warn_if_the_global_batch_changed(saved: DataLayout, now: DataLayout) -> Non
         f"({saved.batch_size} per batch x {saved.ranks} ranks x {saved.accumulate} accumulated) and this run on "
         f"{now.global_batch} ({now.batch_size} x {now.ranks} x {now.accumulate}), against the same schedule: "
         f"pass Trainer(global_batch_size={saved.global_batch}) to keep the experiment's global batch",
-        stacklevel=5,
+        stacklevel=4,
     )

@@ -79,6 +79,7 @@ class TrainingBatch:
                 self._optimizer_step(batch_idx)
                 self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
         t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
+        t.state.epoch_complete = batch_idx + 1 >= t.num_training_batches or self.agreed.last_batch
         t.state.time_elapsed = self.clock.elapsed()
         t._call("on_train_batch_end", outputs, batch, batch_idx)
 

@@ -165,7 +165,7 @@ class StepRunner:
         if self.module.automatic_optimization:  # under manual optimization the user steps the schedulers
             step_schedulers(t, "epoch", t.current_epoch + 1)
         t.state.epoch += 1
-        t.state.batches_done_in_epoch = 0
+        t.state.batches_done_in_epoch, t.state.epoch_complete = 0, False
         t.should_stop = self.strategy.reduce_boolean_decision(t.should_stop, all=False)
 
     def _preempt(self) -> preemption.Preempted:
