@@ -12,7 +12,8 @@ def seed_everything(seed: int = 0) -> int:
     """Seed Python's `random`, NumPy (if installed) and torch on this process.
 
     The seed is also kept in the environment variable `PL_GLOBAL_SEED`, from which the Trainer seeds the
-    `DistributedSampler` it puts in the loaders.
+    `DistributedSampler` it puts in the loaders, and from which every strategy but `"single"` seeds every generator
+    again at the start of each fit, validate, test and predict, on every rank (as Lightning's ddp and fsdp do).
 
     Args:
         seed: the seed.
