@@ -27,3 +27,11 @@ def rank_pool() -> Iterator[Callable[[int], RankPool]]:
     yield get
     for pool in pools.values():
         pool.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on real ranks (those that use the rank pool, or start processes of their own: marked in their module)
+    carry the `distributed` marker: `pytest -m "not distributed"` runs the others, in this process."""
+    for item in items:
+        if "rank_pool" in item.fixturenames:
+            item.add_marker(pytest.mark.distributed)

@@ -72,6 +72,7 @@ def python_run(root: Path, momentum: float = 0.9) -> dict[str, torch.Tensor]:
 
 
 # ---- the same run, three ways ---------------------------------------------------------------------------------
+@pytest.mark.distributed  # runs the script in processes of its own
 def test_cli_script_and_yaml_end_with_the_weights_of_the_python_run_and_of_lightning(tmp_path):
     run_script("fit", "--config", str(YAML), "--config", str(OPTIMIZER_YAML), "--trainer.default_root_dir",
                str(tmp_path / "cli"))
@@ -123,6 +124,7 @@ def test_fit_ckpt_path_last_resumes_with_the_saved_config_under_the_command_line
     assert resumed.trainer.global_step == 8 and resumed.trainer.max_epochs == 2  # the flag wins over the saved 1
 
 
+@pytest.mark.distributed  # runs the script in processes of its own
 def test_devices_2_re_runs_the_same_command_on_every_rank(tmp_path):
     run_script("fit", "--config", str(YAML), "--trainer.devices", "2", "--trainer.strategy", "ddp",
                "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path))

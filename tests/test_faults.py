@@ -26,6 +26,8 @@ from tests.scripts import fault_train
 from tests.test_launcher import Job, _alive, _free_port
 from trainer import checkpoint as ckpt_io
 
+pytestmark = pytest.mark.distributed  # the tests here start processes (nearly all of them)
+
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "fault_train.py")
 TIMEOUT = 5  # Trainer(timeout=...) in the jobs that wait for a lost rank
 PREEMPTED_CODE = 128 + signal.SIGTERM

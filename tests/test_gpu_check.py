@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.distributed  # the tests here start processes (nearly all of them)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 

@@ -24,6 +24,8 @@ from trainer import Trainer
 from trainer.launch import launcher, slurm
 from trainer.launch.launcher import ClusterEnvironment, detect_environment, init_process_group
 
+pytestmark = pytest.mark.distributed  # the tests here start processes (nearly all of them)
+
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "allreduce.py")
 RANK_VARS = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT".split()
 
