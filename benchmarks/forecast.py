@@ -134,7 +134,7 @@ def layer_check() -> None:
         return
     from torch.utils.checkpoint import checkpoint
 
-    from strategies.plan.checkpointing import selective_context
+    from strategies.plan.activation_checkpointing import selective_context
 
     with torch.device("meta"):
         meta = OneLayer()

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .activation_checkpointing import apply_activation_checkpointing
 from .base import Strategy
-from .checkpointing import apply_activation_checkpointing
 from .options import MixedPrecision, check_hybrid_shard, check_mixed_precision, shard_group_size
 from .sharding import FULL_SHARD, UnitOptions
 from .sharding.deferred_init import deferred_init

@@ -148,7 +148,7 @@ def test_selective_checkpointing_recomputes_what_the_forward_did_not_save():
 
     from examples.llama import Block as LlamaBlock
     from examples.llama import LlamaConfig
-    from strategies.plan.checkpointing import selective_context, selective_policy
+    from strategies.plan.activation_checkpointing import selective_context, selective_policy
 
     policy, mm = selective_policy(), torch.ops.aten.mm.default
     forward = [policy(SimpleNamespace(is_recompute=False), mm).name for _ in range(7)]

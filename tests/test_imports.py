@@ -27,7 +27,7 @@ TRAINER_PARTS_MAY_IMPORT = {
     "trainer.checkpoint": ("trainer.seed", "trainer.data.loader_state"),
     "trainer.evaluation": ("trainer.module", "trainer.state", "trainer.data",
                            "trainer.loop.agreement"),  # count_across_ranks: the all-reduce both loops share
-    "trainer.loop": ("trainer.config", "trainer.seed", "trainer.data", "trainer.evaluation", "trainer.launch"),
+    "trainer.loop": ("trainer.arguments", "trainer.seed", "trainer.data", "trainer.evaluation", "trainer.launch"),
 }
 
 

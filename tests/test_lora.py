@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 from strategies import FSDPStrategy, get_strategy
-from strategies.plan.model_state import plan_units
+from strategies.plan.model_bytes import plan_units
 from strategies.sharding import FULL_SHARD
 from tests.test_checkpoint import keeps_determinism_setting
 from trainer import Trainer, TrainModule, seed_everything

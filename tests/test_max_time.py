@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from tests.test_parity import TiedLM, new_model, token_dataset
 from trainer import Trainer
+from trainer.arguments import check_max_time
 from trainer.checkpoint import load_trainer_state
-from trainer.config import check_max_time
 
 
 def test_max_time_takes_lightnings_forms():

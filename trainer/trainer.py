@@ -21,7 +21,7 @@ from callbacks import (
 )
 from strategies import Strategy
 
-from . import config, construction, planning
+from . import arguments, construction, planning
 from .checkpoint import Saver, find_last
 from .checkpoint.dirs import checkpoint_dirs, full_file_problem
 from .data.fit_data import FitLoaders
@@ -184,45 +184,45 @@ class Trainer:
     ) -> None:
         # Every argument is checked here, before any rank is started.
         refuse_unsupported(unsupported, list(inspect.signature(Trainer.__init__).parameters)[1:-1])
-        self.accelerator = config.check_accelerator(accelerator)
-        devices, self._device_ids = config.check_devices(devices, self.accelerator)
-        config.check_positive_int("num_nodes", num_nodes)
+        self.accelerator = arguments.check_accelerator(accelerator)
+        devices, self._device_ids = arguments.check_devices(devices, self.accelerator)
+        arguments.check_positive_int("num_nodes", num_nodes)
         self.precision = Precision(check_precision(precision), self.accelerator)
-        config.check_positive_int("max_epochs", max_epochs, allow_none=True, allow=(-1,))
+        arguments.check_positive_int("max_epochs", max_epochs, allow_none=True, allow=(-1,))
         if not isinstance(max_steps, int) or max_steps < -1 or max_steps == 0:
             raise ValueError(f"max_steps={max_steps!r} is not valid; use -1 (no limit) or a positive int")
-        config.check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
-        config.check_positive_int("global_batch_size", global_batch_size, allow_none=True)
+        arguments.check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
+        arguments.check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         if global_batch_size is not None and accumulate_grad_batches != 1:
             raise ValueError(f"global_batch_size={global_batch_size} and accumulate_grad_batches="
                              f"{accumulate_grad_batches}: the accumulation is derived from global_batch_size; give "
                              "one of them")
-        config.check_clip(gradient_clip_val)
-        self.gradient_clip_algorithm = config.check_choice("gradient_clip_algorithm", gradient_clip_algorithm,
-                                                           config.CLIP_ALGORITHMS)
-        self.num_sanity_val_steps = config.check_sanity_steps(num_sanity_val_steps)
-        self.use_distributed_sampler = config.check_bool("use_distributed_sampler", use_distributed_sampler)
-        enable_model_summary = config.check_bool("enable_model_summary", enable_model_summary)
-        self.fast_dev_run = config.check_fast_dev_run(fast_dev_run)
+        arguments.check_clip(gradient_clip_val)
+        self.gradient_clip_algorithm = arguments.check_choice("gradient_clip_algorithm", gradient_clip_algorithm,
+                                                           arguments.CLIP_ALGORITHMS)
+        self.num_sanity_val_steps = arguments.check_sanity_steps(num_sanity_val_steps)
+        self.use_distributed_sampler = arguments.check_bool("use_distributed_sampler", use_distributed_sampler)
+        enable_model_summary = arguments.check_bool("enable_model_summary", enable_model_summary)
+        self.fast_dev_run = arguments.check_fast_dev_run(fast_dev_run)
         if self.fast_dev_run:  # n batches of each, once; nothing written (as Lightning)
             n = self.fast_dev_run
             limit_train_batches = limit_val_batches = limit_test_batches = max_steps = n
             max_epochs, val_check_interval, self.num_sanity_val_steps = 1, 1.0, 0
             logger, enable_checkpointing = False, False
             callbacks = [cb for cb in callbacks or [] if not isinstance(cb, FAST_DEV_RUN_DROPS)]
-        config.check_fraction_or_count("val_check_interval", val_check_interval, allow_zero=False)
+        arguments.check_fraction_or_count("val_check_interval", val_check_interval, allow_zero=False)
         for name, value in [
             ("limit_train_batches", limit_train_batches),
             ("limit_val_batches", limit_val_batches),
             ("limit_test_batches", limit_test_batches),
         ]:
-            config.check_fraction_or_count(name, value)
-        config.check_positive_int("log_every_n_steps", log_every_n_steps)
-        config.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
+            arguments.check_fraction_or_count(name, value)
+        arguments.check_positive_int("log_every_n_steps", log_every_n_steps)
+        arguments.check_positive_int("check_val_every_n_epoch", check_val_every_n_epoch)
         self.nonfinite = NonFiniteGuard(on_nonfinite)
-        self.profiler = config.check_profiler(profiler)
-        self.detect_divergence = config.check_bool("detect_divergence", detect_divergence) or divergence_by_env()
-        self.max_time = config.check_max_time(max_time)
+        self.profiler = arguments.check_profiler(profiler)
+        self.detect_divergence = arguments.check_bool("detect_divergence", detect_divergence) or divergence_by_env()
+        self.max_time = arguments.check_max_time(max_time)
         self.timer = StepTimer()  # where each step's time goes (observe/timing.py); every fit
         if sync_batchnorm and self.accelerator != "cuda":
             raise ValueError("sync_batchnorm=True needs accelerator='cuda': torch's SyncBatchNorm runs on GPUs only")
@@ -251,7 +251,7 @@ class Trainer:
         """The callbacks: those given, and those the Trainer added (progress bar, model summary, checkpointing)."""
         self.loggers = construction.build_loggers(logger, self.default_root_dir)
         """The loggers (`logger` is the first of them)."""
-        self.timeout = config.check_timeout(timeout)
+        self.timeout = arguments.check_timeout(timeout)
         self.local_rank = construction.start_ranks(self, devices, self._device_ids, num_nodes, self.timeout)
         """This process's rank on its node."""
         if deterministic:
@@ -368,7 +368,7 @@ class Trainer:
                 "to that run). Create a new Trainer for another fit; to continue a run, pass ckpt_path to the new "
                 "Trainer's fit"
             )
-        self.restore_loader_state = config.check_bool("restore_loader_state", restore_loader_state)
+        self.restore_loader_state = arguments.check_bool("restore_loader_state", restore_loader_state)
         self._fit_called = True
         self._choose_strategy(module, train_dataloaders)
         setup_stage(self, module, "fit", datamodule)
@@ -566,10 +566,10 @@ class Trainer:
             ValueError: for a non-positive `gradient_clip_val` or an unknown `gradient_clip_algorithm`.
         """
         value = gradient_clip_val if gradient_clip_val is not None else self.gradient_clip_val
-        algorithm = config.check_choice("gradient_clip_algorithm", gradient_clip_algorithm or
-                                        self.gradient_clip_algorithm, config.CLIP_ALGORITHMS)
+        algorithm = arguments.check_choice("gradient_clip_algorithm", gradient_clip_algorithm or
+                                        self.gradient_clip_algorithm, arguments.CLIP_ALGORITHMS)
         if value is not None:
-            config.check_clip(value)
+            arguments.check_clip(value)
             params = self.strategy.optimizer_parameters(optimizer)
             self.strategy.clip_gradients(value, params=params, algorithm=algorithm)
 

@@ -6,7 +6,7 @@
 
 from .forecast import FORECAST_KEYS, StepForecast
 from .hardware import HARDWARE, Hardware, Link, get_hardware
-from .model_state import OPTIMIZER_STATES, model_state_bytes, optimizer_kind
+from .model_bytes import OPTIMIZER_STATES, model_state_bytes, optimizer_kind
 from .planner import meta_copy, plan_memory
 from .report import STRATEGY_ORDER, MemoryPlan, StrategyMemory
 from .sizes import device_memory_per_rank, format_bytes, parse_bytes

@@ -13,7 +13,7 @@ from torch import nn
 from .activations import AUTOCAST
 from .compute import AC_MODES
 from .hardware import HARDWARE, get_hardware
-from .model_state import OPTIMIZER_STATES
+from .model_bytes import OPTIMIZER_STATES
 from .planner import plan_memory
 from .sizes import device_memory_per_rank, parse_bytes
 

@@ -3,7 +3,7 @@
 - every storage alive at any moment, whatever holds it (LiveBytes sees each op's outputs and when they die): `live`,
   whose peak adds to the saved tensors what exists only for a while: a gradient being formed while the input it
   needs is still saved, the loss's and the logits' gradients, the output of an op before its input is freed.
-Parameters and buffers are model state, counted by model_state.py, and so are the parameters' gradients: each is
+Parameters and buffers are model state, counted by model_bytes.py, and so are the parameters' gradients: each is
 dropped once accumulated (the strategies move it into a bucket or reduce it), so `live` counts it only while it
 is being formed.
 
@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..sharding.hooks import cast_floating
 from ..sharding.units import NORM_LAYERS
-from .checkpointing import checkpoint_modules
+from .activation_checkpointing import checkpoint_modules
 
 AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None, "16-true": None}
 TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}  # the whole model in this dtype
@@ -314,7 +314,7 @@ class StepActivations:
     live: int
     # The live peak between gradients: segment_peaks[i] is the peak before the parameter gradient_order[i] had its
     # gradient accumulated (and after the one before), the last entry the peak after the last one. Strategies
-    # that hold gradients per unit add what they hold at each moment (model_state.py).
+    # that hold gradients per unit add what they hold at each moment (model_bytes.py).
     segment_peaks: tuple[int, ...] = ()
     gradient_order: tuple[str, ...] = ()
 
@@ -337,7 +337,7 @@ def step_activations(
     """Peak bytes autograd holds for backward in one training step of `model` (whose parameters are swapped for
     fake tensors: pass a copy; `checkpointed` is an activation-checkpointing policy (module, name) -> bool), with
     the peak of everything alive in it as well. `selective`: the checkpointed
-    modules run under torch.utils.checkpoint with torchtitan's per-op policy (checkpointing.py), whose saved
+    modules run under torch.utils.checkpoint with torchtitan's per-op policy (activation_checkpointing.py), whose saved
     outputs count as alive."""
     if selective and checkpointed is not None:
         checkpoint_modules(model, checkpointed, "selective")
@@ -382,7 +382,7 @@ def _shape_of(batch: Any) -> str:
 
 def _drop_gradients(model: nn.Module, mode: LiveBytes, order: list[str]) -> list[Any]:
     """Each parameter's gradient is let go once accumulated: the strategies hold gradients in their own buffers
-    (model_state.py counts them), so here a gradient is alive only while it is being formed. Records the order
+    (model_bytes.py counts them), so here a gradient is alive only while it is being formed. Records the order
     in which the gradients come, by parameter name."""
     names = {id(p): name for name, p in model.named_parameters()}
 

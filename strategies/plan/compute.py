@@ -26,8 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from .activation_checkpointing import AC_MODES, ATTENTION_FORWARD, checkpoint_modules
 from .activations import AUTOCAST, _norms_in_full_precision, example_batches, to_fake, training_loss
-from .checkpointing import AC_MODES, ATTENTION_FORWARD, checkpoint_modules
 from .hardware import Hardware
 
 _aten = torch.ops.aten

@@ -31,7 +31,7 @@ from .hardware import Hardware
 from .link import collective_seconds
 
 if TYPE_CHECKING:
-    from .model_state import PlannedUnit
+    from .model_bytes import PlannedUnit
 
 FORECAST_KEYS = ("step_s", "tokens_per_s_per_rank", "mfu", "exposed_comm_s")
 

@@ -17,7 +17,7 @@ from .activations import AUTOCAST, TRUE_DTYPES, step_activations
 from .compute import AC_MODES, compute_cost
 from .forecast import StepForecast, Topology, forecast_step
 from .hardware import Hardware, default_hardware, get_hardware
-from .model_state import OPTIMIZER_STATES, check_optimizer, model_state_bytes, optimizer_kind, plan_units
+from .model_bytes import OPTIMIZER_STATES, check_optimizer, model_state_bytes, optimizer_kind, plan_units
 from .report import STRATEGY_ORDER, MemoryPlan
 from .sizes import format_bytes, parse_bytes
 

@@ -17,7 +17,7 @@ class StrategyMemory:
 
     parameters: int
     gradients: int
-    optimizer: int  # state, and the master copy where a param dtype is given (see model_state.py)
+    optimizer: int  # state, and the master copy where a param dtype is given (see model_bytes.py)
     units_in_flight: int  # unsharded buffers that come and go during forward and backward
     activations: int  # what autograd saves for backward
     gradients_between_steps: bool = True  # False for sharded gradients: made in backward, dropped by zero_grad

@@ -7,7 +7,7 @@ weights imported from safetensors (export.py). `python -m trainer.checkpoint --h
 from strategies.checkpoint.files import find_last
 from strategies.checkpoint.format import CheckpointError, read_meta
 
-from .cli import main
+from .command import main
 from .export import consolidate, export_safetensors, load_safetensors
 from .load import load_checkpoint, load_full_state_dict, load_trainer_state
 from .save import Saver

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import check_choice
+from ..arguments import check_choice
 
 ON_NONFINITE = ("error", "skip", "ignore")
 
