@@ -224,7 +224,7 @@ class EMA(Callback):
         if self._swapped:
             raise RuntimeError("EMA: a checkpoint cannot be written while the average is swapped in for "
                                f"{trainer.state.stage}; save from on_validation_end or outside evaluation")
-        if self.updates == 0 or not trainer.strategy.writes_own_pieces:
+        if self.updates == 0 or not trainer.strategy.model_state().writes_pieces:
             return {}
         return {KEY: self._as_flat_pieces()}
 

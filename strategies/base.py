@@ -19,12 +19,13 @@ from torch import nn
 from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 from torch.utils._pytree import tree_map
 
-from .checkpoint import loop_state
+from .checkpoint import plain_loop
 from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .sharding import ShardingEngine, ShardingSpec, gradient_access, observe
 from .sharding import state_dict as engine_state
 from .sharding.engine import engine_of
 from .sharding.init_record import InitRecord
+from .sharding.state_dict import ModelShards, OptimizerShards
 from .step_trace import ALL_REDUCE, Collective, StepTrace, identity
 
 REDUCE_OPS = {
@@ -396,7 +397,7 @@ class Strategy:
             ValueError: if `state` does not hold the set-up model exactly once, holds another module, or uses the
                 checkpoint's reserved key.
         """
-        loop_state.save(self, path, state)
+        plain_loop.save(self.engine, repr(self), path, state)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any], trust_pickled: bool = False) -> dict[str, Any]:
         """Restore `state` in place from a checkpoint of `save` (or of the Trainer), written under any strategy and
@@ -421,32 +422,18 @@ class Strategy:
                 checkpoint does not fit the model (names, shapes) or lacks one of `state`'s keys; a
                 `CheckpointError` (a ValueError) without `trust_pickled` if it holds pickled objects of other types.
         """
-        return loop_state.load(self, path, state, trust_pickled)
+        return plain_loop.load(self.engine, path, state, trust_pickled)
 
-    # ---- state --------------------------------------------------------------------------------------
-    def model_state_pieces(self) -> dict[str, Any]:
-        """What this rank writes of the model's state dict in a checkpoint: its flat pieces of every parameter
-        (FlatPieces, under first names) and, on rank 0, the buffers. Nothing is gathered."""
-        return engine_state.model_pieces(self.engine)
+    # ---- state ----------------------------------------------------------------------------------------------
+    def model_state(self) -> ModelShards:
+        """The set-up model's state as checkpoints read and write it (docs/architecture.md, "Checkpoints"): each
+        rank's own pieces, by parameter name, loaded in place under any strategy and world size."""
+        return ModelShards(self.engine)
 
-    def optimizer_state_pieces(self, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> dict:
-        """What this rank writes of `optimizer`'s state, keyed as torch's get_state_dict keys it (`group_names`:
-        the parameter names of each group)."""
-        return engine_state.optimizer_pieces(self.engine, optimizer, group_names)
-
-    def model_state_targets(self) -> dict[str, Any]:
-        """Where this rank loads the state-dict entries it needs (FlatPieces or tensors, filled in place); call
-        `state_loaded` once they are filled."""
-        return engine_state.model_targets(self.engine)
-
-    def optimizer_state_targets(self, optimizer: torch.optim.Optimizer, saved: dict) -> dict[str, dict]:
-        """Install the optimizer state `saved` describes (name -> key -> meta tensor or value) and return where
-        this rank loads its tensors."""
-        return engine_state.optimizer_targets(self.engine, optimizer, saved)
-
-    def state_loaded(self) -> None:
-        """The targets are filled: bring every copy of the parameters up to date. Collective."""
-        self.engine.after_parameters_changed()
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> OptimizerShards:
+        """A set-up optimizer's state as checkpoints read and write it, keyed as torch's `get_state_dict` keys it
+        (`group_names`: the parameter names of each group)."""
+        return OptimizerShards(self.engine, optimizer, group_names)
 
     def master_pieces(self) -> list[engine_state.MasterPiece]:
         """This rank's pieces of the weights, nothing gathered: (name, shape, start, data, trainable), `data` a 1-D
@@ -473,16 +460,6 @@ class Strategy:
         """The options of this strategy that the memory plan (strategies.plan.plan_memory) takes into account."""
         return {}
 
-    @property
-    def writes_own_pieces(self) -> bool:
-        """Whether this rank writes its pieces in checkpoints: under hybrid sharding only the first copy's ranks do
-        (the others hold the same pieces)."""
-        return self.engine.groups.replica == 0
-
-    def parameter_aliases(self) -> dict[str, str]:
-        """Names of tied parameters: each alias and the name it shares its tensor with."""
-        return engine_state.parameter_aliases(self.engine.module)
-
     def full_state_dict(self, rank_zero_only: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor]:
         """The model's plain state dict (original names and shapes), gathered unit by unit. Collective.
 
@@ -496,10 +473,6 @@ class Strategy:
         """
         keep = self.is_global_zero or not rank_zero_only
         return engine_state.full_state_dict(self.engine, keep=keep, trainable_only=trainable_only)
-
-    def full_state_shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """The shape and dtype of each entry of `full_state_dict`, without gathering anything."""
-        return engine_state.full_state_shapes(self.engine)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by kind (parameters, gradients, optimizer state, ...)."""

@@ -35,7 +35,7 @@ from strategies.checkpoint.planners import ShardLoadPlanner
 from tests.ranks import ROOT
 from trainer import Trainer, TrainModule, seed_everything
 from trainer import checkpoint as ckpt_io
-from trainer.checkpoint.streamed_file import StreamedFullFile
+from strategies.checkpoint.streamed_file import StreamedFullFile
 
 VOCAB, DIM, SEQ = 11, 6, 5
 SAMPLES, GLOBAL_BATCH = 48, 12  # 4 optimizer steps per epoch at any world size that divides 12

@@ -72,3 +72,14 @@ def set_rng_state(state: dict) -> None:
         import numpy
 
         numpy.random.set_state(state["numpy"])
+
+
+class RandomState:
+    """This process's random number generators (Python's, torch's, CUDA's, numpy's) as a checkpoint's per-rank
+    entry (strategies/checkpoint/stateful.py)."""
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_rng_state(state_dict)

@@ -616,7 +616,7 @@ class Trainer:
         self.checkpointer.save_full(self, os.fspath(path))
 
     def _restore(self, ckpt_path: str, weights_only: bool = False, trust_pickled: bool = False) -> None:
-        from .checkpoint.load import restore
+        from .checkpoint.saver import restore
 
         if ckpt_path == "last":
             found = find_last(*self._checkpoint_dirs())

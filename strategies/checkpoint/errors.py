@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch.distributed as dist
+
 T = TypeVar("T")
 
 
@@ -14,7 +16,7 @@ class CheckpointError(ValueError):
     `trust_pickled=True`. A `ValueError`."""
 
 
-def read_on_every_rank(strategy: Any, read: Callable[[], T]) -> T:
+def read_on_every_rank(read: Callable[[], T]) -> T:
     """`read()` on every rank, where each rank reads its own pieces of a checkpoint: a `CheckpointError` on some
     ranks (a corrupted file only they read) is raised on every rank, naming each rank's problem, instead of the
     others failing later in a collective with the transport's "connection closed". Collective when distributed."""
@@ -24,11 +26,12 @@ def read_on_every_rank(strategy: Any, read: Callable[[], T]) -> T:
         result = read()
     except CheckpointError as raised:
         error = raised
-    if not strategy.distributed:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if error is not None:
             raise error
         return result
-    found = strategy.all_gather_object(None if error is None else str(error))
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else str(error))
     failed = [f"rank {rank}: {message}" for rank, message in enumerate(found) if message is not None]
     if error is not None:
         raise error

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .engine import ShardingEngine
@@ -212,3 +213,73 @@ def full_state_shapes(engine: ShardingEngine) -> dict[str, tuple[torch.Size, tor
     for key, value in engine.module.state_dict(keep_vars=True).items():
         out[key] = params.get(key) or (value.shape, value.dtype)
     return out
+
+
+# ---- the engine's owners of checkpointed state (docs/architecture.md, "Checkpoints") ---------------------------
+class ModelShards:
+    """The model's state as the checkpoint component reads and writes it, by parameter name: `state_dict()` is
+    what this rank writes (its pieces; nothing gathered), `load_targets` where it reads them in place under any
+    world size, `load_state_dict` brings every copy of the parameters up to date afterwards."""
+
+    def __init__(self, engine: ShardingEngine) -> None:
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        return model_pieces(self.engine)
+
+    def load_targets(self, saved: dict[str, Any]) -> dict[str, Any]:
+        return model_targets(self.engine)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.after_parameters_changed()
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    @property
+    def writes_pieces(self) -> bool:
+        """Whether this rank writes its pieces: under hybrid sharding only the first copy's ranks do (the others
+        hold the same pieces)."""
+        return self.engine.groups.replica == 0
+
+    def aliases(self) -> dict[str, str]:
+        """Names of tied parameters: each alias and the name it shares its tensor with."""
+        return parameter_aliases(self.engine.module)
+
+    def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """The shape and dtype of every entry of the model's full state dict."""
+        return full_state_shapes(self.engine)
+
+
+class OptimizerShards:
+    """An optimizer's state as the checkpoint component reads and writes it, keyed as torch's `get_state_dict`
+    keys it: this rank's pieces of the element-wise state, the parameter groups (from rank 0) by parameter name."""
+
+    def __init__(self, engine: ShardingEngine, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> None:
+        self.engine, self.optimizer, self.group_names = engine, optimizer, group_names
+        self._saved_groups: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        state = optimizer_pieces(self.engine, self.optimizer, self.group_names)
+        if _global_rank() != 0:
+            del state["param_groups"]  # the same on every rank: written once
+        return state
+
+    def load_targets(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """Install the saved state (`{"state": name -> key -> meta tensor or value, "param_groups": [...]}`) for
+        this rank's parameters; return the tensors to fill."""
+        groups = saved.get("param_groups", [])
+        if isinstance(groups, dict):  # split by DCP under string indices
+            groups = [groups[i] for i in sorted(groups, key=int)]
+        self._saved_groups = list(groups)
+        return {"state": optimizer_targets(self.engine, self.optimizer, saved.get("state", {}))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The state is filled: put the saved hyperparameters in each parameter group."""
+        for group, saved_group in zip(self.optimizer.param_groups, self._saved_groups):
+            group.update({k: v for k, v in saved_group.items() if k not in ("params", "param_names")})
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

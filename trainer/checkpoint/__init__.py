@@ -1,16 +1,16 @@
-"""A trainer's checkpoints, in torch's Distributed Checkpoint (DCP) format plus our integrity metadata
-(strategies/checkpoint/: the format, writing and reading pieces, which a plain loop's strategy.save/load use too):
-saved by every rank in parallel, atomically, synchronously or in the background (save.py); loaded by each rank
-reading only what it needs, or whole in one process (load.py); exported to one plain file or to safetensors, and
-weights imported from safetensors (export.py). `python -m trainer.checkpoint --help` for the command line."""
+"""A trainer's checkpoints: the names of the public checkpoint API. The format and every reader and writer live in
+the checkpoint component, strategies/checkpoint/ (a plain loop's strategy.save/load use it too); here are the
+Trainer's owners of state (states.py), its saving and restoring through the component (saver.py) and where its
+checkpoints go (dirs.py). `python -m trainer.checkpoint --help` for the command line."""
 
+from strategies.checkpoint.command import main
+from strategies.checkpoint.errors import CheckpointError
+from strategies.checkpoint.export import consolidate, export_safetensors, load_safetensors
 from strategies.checkpoint.files import find_last
-from strategies.checkpoint.format import CheckpointError, read_meta
+from strategies.checkpoint.format import read_meta
+from strategies.checkpoint.whole import load_checkpoint, load_full_state_dict, load_trainer_state
 
-from .command import main
-from .export import consolidate, export_safetensors, load_safetensors
-from .load import load_checkpoint, load_full_state_dict, load_trainer_state
-from .save import Saver
+from .saver import Saver
 
 __all__ = [
     "CheckpointError",

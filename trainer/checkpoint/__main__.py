@@ -1,3 +1,3 @@
-from .command import main
+from strategies.checkpoint.command import main
 
 main()

@@ -109,6 +109,14 @@ class LoaderPosition:
             return None
         return plain(self._taken if self._taken is not None else self.target.state_dict())
 
+    def state_dict(self) -> dict | None:
+        """A checkpoint's per-rank entry (strategies/checkpoint/stateful.py): what `saved` says."""
+        return self.saved()
+
+    def load_state_dict(self, state_dict: dict | None) -> None:
+        """Hold a checkpoint's state until the loader's epoch starts (`restore`)."""
+        self.pending = state_dict
+
     def restore(self) -> bool:
         """Load a checkpoint's state into the loader (before its epoch's iteration starts); whether it did."""
         state, self.pending = self.pending, None

@@ -12,21 +12,19 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from strategies import FlatPieces
-from strategies.checkpoint.format import META, MODEL, unwrapped
-from strategies.checkpoint.planners import ShardLoadPlanner
-from strategies.checkpoint.source import Source, open_source
-
-from .load import assemble, read_meta_item, tied_keys, weight_keys
+from ..sharding import FlatPieces
+from ..sharding.state_dict import ModelShards
+from .checkpointer import read_meta_item
+from .format import META, MODEL, unwrapped
+from .planners import ShardLoadPlanner
+from .source import Source, open_source
 from .streamed_file import StreamedFullFile
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
+from .whole import assemble, tied_keys, weight_keys
 
 BATCH_BYTES = 64 << 20  # read about this much of a checkpoint at a time
 SAFETENSORS_DTYPES = {
@@ -198,7 +196,7 @@ def _write_safetensors(file: str, source: Source, entries: list[tuple[str, str]]
 
 
 # ---- safetensors in ------------------------------------------------------------------------------------------
-def load_safetensors(trainer: Trainer, path: str | os.PathLike, prefix: str = "",
+def load_safetensors(trainer: Any, path: str | os.PathLike, prefix: str = "",
                      key_mapping: dict[str, str] | None = None, strict: bool = True) -> list[str]:
     """Load weights from safetensors files in HuggingFace's layout into the trainer's model, under any strategy.
 
@@ -206,7 +204,7 @@ def load_safetensors(trainer: Trainer, path: str | os.PathLike, prefix: str = ""
     materialized whole. Call it on every rank once the model is set up (for example in `on_fit_start`).
 
     Args:
-        trainer: the Trainer whose module is set up.
+        trainer: the Trainer whose module is set up (any object whose `strategy` has set the model up).
         path: a folder of safetensors files, or the only safetensors file of its folder.
         prefix: `prefix` + a name in the files is the model's name (`"model."` for a HuggingFace model held as
             `self.model`); the model's entries without it are not loaded.
@@ -229,16 +227,17 @@ def load_safetensors(trainer: Trainer, path: str | os.PathLike, prefix: str = ""
     folder = _safetensors_folder(os.fspath(path))
     reader = HuggingFaceStorageReader(folder)
     saved = reader.read_metadata().state_dict_metadata
-    strategy = trainer.strategy
-    in_files = _file_names(strategy.full_state_shapes(), prefix, key_mapping)
-    missing = _check_pretrained(trainer, saved, in_files, path, prefix, strict)
+    model = trainer.strategy.model_state()
+    in_files = _file_names(model.shapes(), prefix, key_mapping)
+    missing = _check_pretrained(model, saved, in_files, path, prefix, strict)
     plain, shards = {}, {}
-    for name, target in strategy.model_state_targets().items():
+    targets = model.load_targets({})
+    for name, target in targets.items():
         if in_files.get(name) in saved:
             (shards if isinstance(target, FlatPieces) else plain)[in_files[name]] = target
     with unwrapped():
         dcp.load(plain, storage_reader=reader, planner=ShardLoadPlanner(shards), no_dist=True)
-    strategy.state_loaded()
+    model.load_state_dict(targets)
     return missing
 
 
@@ -265,14 +264,14 @@ def _safetensors_folder(path: str) -> str:
     return folder
 
 
-def _check_pretrained(trainer: Trainer, saved: dict[str, Any], in_files: dict[str, str], path: Any, prefix: str,
+def _check_pretrained(model: ModelShards, saved: dict[str, Any], in_files: dict[str, str], path: Any, prefix: str,
                       strict: bool) -> list[str]:
     """Every parameter of the model must be in the files with its shape (buffers are loaded where present; with
     `strict=False` parameters may be missing: their names are returned)."""
-    aliases = trainer.strategy.parameter_aliases()
-    params = {name for name, _ in trainer.module.named_parameters()}
+    aliases = model.aliases()
+    params = {name for name, _ in model.module.named_parameters()}
     problems, missing = [], []
-    for name, (shape, _) in trainer.strategy.full_state_shapes().items():
+    for name, (shape, _) in model.shapes().items():
         stored = saved.get(in_files[name]) if name in in_files else None
         if name in aliases or (stored is None and name not in params):
             continue

@@ -1,74 +1,21 @@
-"""Loading: into a running trainer, each rank reading only the chunks that overlap its own pieces (after the
-checkpoint was checked against the model, every difference listed at once), or in full in one process with no
-process group (`load_full_state_dict`, `load_checkpoint`). Every entry point unpickles under the allow-list of
-strategies/checkpoint/unpickling.py unless given `trust_pickled=True`."""
+"""A checkpoint read whole in one process, with no process group: the plain model state dict
+(`load_full_state_dict`), the whole nested dict a full file holds (`load_checkpoint`), the trainer state
+(`load_trainer_state`). Any checkpoint this project writes, under any strategy and world size: a directory, a
+full file or a consolidated file. Every entry point unpickles under the allow-list of unpickling.py unless given
+`trust_pickled=True`."""
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from strategies.checkpoint import model_state
-from strategies.checkpoint.errors import read_on_every_rank
-from strategies.checkpoint.format import EMA, LOADER, META, MODEL, RNG, TRAINER, CheckpointError, optim_key
-from strategies.checkpoint.model_state import read_meta_item
-from strategies.checkpoint.source import Source, open_source
-
-from .trainer_state import callbacks_sharded_targets, optimizers, restore_trainer_state
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
+from .checkpointer import as_lists, object_keys, read_meta_item
+from .format import EMA, META, MODEL, TRAINER, CheckpointError, optim_key
+from .source import Source, open_source
 
 
-def restore(trainer: Trainer, path: str, weights_only: bool, trust_pickled: bool = False) -> None:
-    """Load a checkpoint (a directory or a full file) into `trainer`, after checking that all of it fits."""
-    source = open_source(path, trust_pickled)
-    meta = read_meta_item(source)
-    same_world = meta.get("world_size") == trainer.world_size
-    with_loader = not weights_only and any(p[0] == LOADER for p in source.paths.values())
-    restore_loader = with_loader and trainer.restore_loader_state
-    saved_world_size = meta.get("world_size", trainer.world_size)
-    loader_key = f"{LOADER}.{trainer.global_rank % saved_world_size}"  # (another world size: checked with the loader)
-    tops = set() if weights_only else {TRAINER, *([f"{RNG}.{trainer.global_rank}"] if same_world else [])}
-    tops |= {loader_key} if restore_loader else set()
-    keyed = [] if weights_only else optimizers(trainer)
-    wanted = {key: None for key in model_state.object_keys(source, tops | {k for k, _, _ in keyed})}
-    objects = read_on_every_rank(trainer.strategy, lambda: source.read(wanted))
-    if not weights_only and TRAINER not in objects:
-        raise ValueError(
-            f"ckpt_path={path!r} holds weights only; fit resumes from a checkpoint directory or from a file "
-            "written by trainer.save_checkpoint(path, full=True)"
-        )
-    saved = [model_state.saved_optimizer(source, objects, meta, key) for key, _, _ in keyed]
-    check_compatible(trainer, source, meta, saved, path, weights_only)
-    loading = [(optimizer, ckpt) for (_, optimizer, _), ckpt in zip(keyed, saved)]
-    model_state.read_into(trainer.strategy, source, MODEL, loading, callbacks_sharded_targets(trainer, source))
-    if not weights_only:
-        restore_trainer_state(trainer, objects[TRAINER], objects.get(f"{RNG}.{trainer.global_rank}"))
-        trainer.loader_position.pending = objects.get(loader_key)
-        trainer.loader_position.pending_from = (path, saved_world_size)
-
-
-def check_compatible(
-    trainer: Trainer, source: Source, meta: dict, optimizers: list[dict], path: str, weights_only: bool = False
-) -> None:
-    """Every difference between the checkpoint and the model (and, unless `weights_only`, its optimizers),
-    listed at once in one ValueError."""
-    count = len(meta.get("optimizers", []))
-    if not weights_only and count != len(trainer.optimizers):
-        compared = []
-        extra = [f"optimizers: checkpoint {count}, module {len(trainer.optimizers)}"]
-    else:
-        compared = [] if weights_only else list(zip(trainer.optimizers, trainer.param_group_names, optimizers))
-        extra = []
-    problems = model_state.problems(trainer.strategy, source, meta, MODEL, compared) + extra
-    if problems:
-        raise ValueError(f"ckpt_path={path!r} does not fit this model:\n  " + "\n  ".join(problems))
-
-
-# ---- in one process ----------------------------------------------------------------------------------------
 def load_full_state_dict(path: str | os.PathLike, ema: bool = False,
                          trust_pickled: bool = False) -> dict[str, torch.Tensor]:
     """The plain model state dict from any checkpoint this project writes, in one process with no process group.
@@ -174,7 +121,7 @@ def load_trainer_state(path: str | os.PathLike, trust_pickled: bool = False) -> 
             `trust_pickled`, if it holds pickled objects of types outside the allow-list.
     """
     source = open_source(path, trust_pickled)
-    if not model_state.object_keys(source, {TRAINER}):
+    if not object_keys(source, {TRAINER}):
         raise CheckpointError(f"{os.fspath(path)!r} holds weights only: there is no trainer state to read (a "
                               "checkpoint directory or trainer.save_checkpoint(path, full=True) has one)")
     return source.read({TRAINER: None})[TRAINER]
@@ -193,7 +140,7 @@ def assemble(source: Source, values: dict[str, Any]) -> dict[str, Any]:
         for part in source.paths[key][:-1]:
             node = node.setdefault(part, {})
         node[source.paths[key][-1]] = value
-    nested = _lists(nested)
+    nested = as_lists(nested)
     meta = nested.get(META, {})
     order = {name: i for i, name in enumerate(meta.get("state_dict_keys", []))}
 
@@ -210,13 +157,3 @@ def assemble(source: Source, values: dict[str, Any]) -> dict[str, Any]:
             state = value["state"]
             value["state"] = {name: dict(sorted(state[name].items())) for name in in_order(state)}
     return nested
-
-
-def _lists(node: Any) -> Any:
-    """Dicts whose keys are the ints 0..n-1 (DCP's split lists) as lists."""
-    if not isinstance(node, dict):
-        return node
-    node = {k: _lists(v) for k, v in node.items()}
-    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
-        return [node[i] for i in range(len(node))]
-    return node

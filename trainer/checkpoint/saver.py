@@ -1,38 +1,21 @@
-"""Saving a trainer: every rank's part of the checkpoint (its pieces of the model and optimizer state, its RNG
-states; rank 0 also the trainer state and the description), written by strategies.checkpoint's writer (every
-rank in parallel, atomically, synchronously or in the background), or as one plain file.
-"""
+"""A trainer's checkpoints through the checkpoint component (strategies/checkpoint/): saving its owners of state
+(states.py) with at most one save in flight, as a directory or one plain file, and restoring them after the
+checkpoint was checked against the model (every difference listed at once)."""
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING, Any
 
-from strategies.checkpoint import files, model_state
-from strategies.checkpoint.format import LOADER, META, MODEL, RNG, TRAINER
-from strategies.checkpoint.planners import Pickled
+from strategies.checkpoint import checkpointer, files
+from strategies.checkpoint.compatibility import problems, saved_class
+from strategies.checkpoint.format import LOADER, MODEL, TRAINER
 from strategies.checkpoint.writer import CheckpointWriter
 
-from ..seed import rng_state
-from .trainer_state import callbacks_sharded_state, meta, optimizers, trainer_state
+from .states import ask_callbacks_where_to_load, meta, optimizers, states_to_load, states_to_save
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
-
-
-def checkpoint_state(trainer: Trainer) -> dict[str, Any]:
-    """This rank's nested state dict for DCP: its pieces of the model and optimizer state, its RNG states and, in
-    the middle of an epoch, its training loader's own state (where it keeps one); on rank 0 also the buffers, the
-    parameter groups, the trainer state and the meta description."""
-    state = model_state.pieces(trainer.strategy, MODEL, optimizers(trainer))
-    state[RNG] = {str(trainer.global_rank): Pickled(rng_state(), f"{RNG}.{trainer.global_rank}")}
-    loader_state = trainer.loader_position.saved() if trainer.state.batches_done_in_epoch else None
-    if loader_state is not None:
-        state[LOADER] = {str(trainer.global_rank): Pickled(loader_state, f"{LOADER}.{trainer.global_rank}")}
-    state.update(callbacks_sharded_state(trainer))  # before the callbacks' state_dict, which may follow it
-    if trainer.is_global_zero:
-        state[TRAINER], state[META] = Pickled(trainer_state(trainer), TRAINER), Pickled(meta(trainer), META)
-    return state
 
 
 class Saver:
@@ -65,7 +48,9 @@ class Saver:
         """
         self.writer.wait()
         summary = {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": trainer.world_size}
-        self.writer.save(checkpoint_state(trainer), path, summary, async_save, links, on_done, texts=self.texts)
+        described = meta(trainer) if trainer.is_global_zero else None
+        checkpointer.save(self.writer, states_to_save(trainer), path, trainer.global_rank, described, summary,
+                          async_save=async_save, links=links, on_done=on_done, texts=self.texts)
 
     def save_full(self, trainer: Trainer, path: str) -> None:
         """Write one plain file at `path` that `torch.load` reads. Collective.
@@ -80,7 +65,7 @@ class Saver:
         Raises:
             RuntimeError: on the other ranks, if rank 0 failed to write the file (rank 0 raises its own error).
         """
-        from .export import consolidate
+        from strategies.checkpoint.export import consolidate
 
         strategy = trainer.strategy
         directory = strategy.broadcast(files.staging_path(os.path.abspath(path)))  # removed by later saves if left
@@ -105,3 +90,39 @@ class Saver:
             raise_errors: raise the save's error; `False` logs it instead.
         """
         self.writer.wait(raise_errors)
+
+
+def restore(trainer: Trainer, path: str, weights_only: bool, trust_pickled: bool = False) -> None:
+    """Load a checkpoint (a directory or a full file) into `trainer`, after checking that all of it fits."""
+    loading = checkpointer.Loading(path, trust_pickled)
+    stored = loading.stored_keys()
+    saved_world_size = loading.meta.get("world_size", trainer.world_size)
+    with_loader = not weights_only and LOADER in stored and trainer.restore_loader_state
+    states = states_to_load(trainer, stored, weights_only, with_loader)
+    saved = loading.read(states)
+    if not weights_only and TRAINER not in saved:
+        raise ValueError(
+            f"ckpt_path={path!r} holds weights only; fit resumes from a checkpoint directory or from a file "
+            "written by trainer.save_checkpoint(path, full=True)"
+        )
+    check_compatible(trainer, loading, path, weights_only)
+    ask_callbacks_where_to_load(trainer, states, saved)
+    loading.load()
+    if not weights_only:
+        trainer.loader_position.pending_from = (path, saved_world_size)
+
+
+def check_compatible(trainer: Trainer, loading: checkpointer.Loading, path: str, weights_only: bool = False) -> None:
+    """Every difference between the checkpoint and the model (and, unless `weights_only`, its optimizers),
+    listed at once in one ValueError."""
+    count = len(loading.meta.get("optimizers", []))
+    extra: list[str] = []
+    compared = []
+    if not weights_only and count != len(trainer.optimizers):
+        extra = [f"optimizers: checkpoint {count}, module {len(trainer.optimizers)}"]
+    elif not weights_only:
+        compared = [(optimizer, names, loading.saved.get(key, {}), saved_class(loading.meta, key))
+                    for key, optimizer, names in optimizers(trainer)]
+    found = problems(loading.states[MODEL], loading.saved.get(MODEL, {}), loading.meta, compared) + extra
+    if found:
+        raise ValueError(f"ckpt_path={path!r} does not fit this model:\n  " + "\n  ".join(found))

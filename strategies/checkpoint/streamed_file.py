@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from strategies.checkpoint import unpickling
+from . import unpickling
 
 
 class StreamedFullFile:
