@@ -32,10 +32,10 @@ from callbacks import Callback, ModelCheckpoint
 from strategies import FSDPStrategy, ZeroStrategy, get_strategy
 from strategies.checkpoint import format as ckpt_format
 from strategies.checkpoint.planners import ShardLoadPlanner
+from strategies.checkpoint.streamed_file import StreamedFullFile
 from tests.ranks import ROOT
 from trainer import Trainer, TrainModule, seed_everything
 from trainer import checkpoint as ckpt_io
-from strategies.checkpoint.streamed_file import StreamedFullFile
 
 VOCAB, DIM, SEQ = 11, 6, 5
 SAMPLES, GLOBAL_BATCH = 48, 12  # 4 optimizer steps per epoch at any world size that divides 12
