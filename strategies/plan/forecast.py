@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..sharding.engine import REDUCE_TOGETHER_BYTES, REDUCTIONS_IN_FLIGHT
-from ..sharding.forward import SMALL_UNIT_FRACTION
+from ..sharding.hooks import SMALL_UNIT_FRACTION
 from .compute import ComputeCost
 from .hardware import Hardware
 from .link import collective_seconds

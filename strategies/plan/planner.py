@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..registry import STRATEGIES
-from ..sharding.units import gradient_buckets
+from ..sharding.unit import gradient_buckets
 from ..wrap import resolve_wrap_policy
 from .activations import AUTOCAST, TRUE_DTYPES, step_activations
 from .compute import AC_MODES, compute_cost

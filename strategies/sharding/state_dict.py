@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .engine import ShardingEngine
-from .flat_pieces import FlatPieces
+from .layout import FlatPieces
 from .unit import ShardUnit
 
 
