@@ -4,7 +4,7 @@
     python benchmarks/meta_init.py --layers 4 --no-eager # smaller, quicker
 
 Each rank builds the model inside `FSDPStrategy.model_init_context()` (on the meta device, its construction
-recorded) and `setup_module` materializes it unit by unit (strategies/sharding/materialize.py): the values of one
+recorded) and `setup_module` materializes it unit by unit (strategies/sharding/meta_init.py): the values of one
 unit's parameters are replayed, rank 0's broadcast, each rank keeps its pieces. Per rank the table gives the resident
 memory once torch, transformers and the process group are up (the baseline), the rise of the peak above it while
 the model is built and materialized, and what the design allows: this rank's shard plus the largest unit, in full.

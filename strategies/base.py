@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_map
 
 from .checkpoint import plain_loop
 from .compile import compile_in_place, modules_to_compile, resolve_compile
-from .sharding import ShardingEngine, ShardingSpec, gradient_access, observe
+from .sharding import ShardingEngine, ShardingSpec, observe
+from .sharding import gradients as engine_gradients
 from .sharding import state_dict as engine_state
 from .sharding.engine import engine_of
-from .sharding.init_record import InitRecord
+from .sharding.meta_init import InitRecord
 from .sharding.state_dict import ModelShards, OptimizerShards
 from .step_trace import ALL_REDUCE, Collective, StepTrace, identity
 
@@ -351,13 +352,13 @@ class Strategy:
             With `"norm"`, the global norm before clipping; with `"value"`, None.
         """
         if algorithm == "value":
-            gradient_access.clip_grad_value_(self.engine, max_norm, params)
+            engine_gradients.clip_grad_value_(self.engine, max_norm, params)
             return None
-        return gradient_access.clip_grad_norm_(self.engine, max_norm, params)
+        return engine_gradients.clip_grad_norm_(self.engine, max_norm, params)
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
-        return gradient_access.gradient_tensors(self.engine)
+        return engine_gradients.gradient_tensors(self.engine)
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         """Every parameter's averaged gradient in full, by name. Collective (call it on every rank); it holds
@@ -366,7 +367,7 @@ class Strategy:
         Returns:
             A dict of parameter name to gradient tensor; parameters without a gradient are left out.
         """
-        return gradient_access.full_gradients(self.engine)
+        return engine_gradients.full_gradients(self.engine)
 
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         """The module's parameters that `optimizer` steps.

@@ -14,8 +14,8 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .base import Strategy
 from .options import MixedPrecision, check_hybrid_shard, check_mixed_precision, shard_group_size
 from .sharding import FULL_SHARD, UnitOptions
-from .sharding.deferred_init import deferred_init
-from .sharding.units import policy_modules
+from .sharding.meta_init import deferred_init
+from .sharding.unit import policy_modules
 from .wrap import resolve_wrap_policy
 
 

@@ -26,7 +26,7 @@ from strategies.sharding import (
     ZERO2,
     ShardingEngine,
     UnitOptions,
-    gradient_access,
+    gradients,
     observe,
 )
 from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
@@ -84,7 +84,7 @@ def engine_step(model: nn.Module, engine: ShardingEngine, opt: torch.optim.Optim
                 loss.backward()
         else:
             loss.backward()
-    gradient_access.clip_grad_norm_(engine, 0.5)
+    gradients.clip_grad_norm_(engine, 0.5)
     opt.step()
     opt.zero_grad()
 
@@ -645,7 +645,7 @@ def test_batchnorm_running_statistics_are_rank_zeros_on_every_rank(rank_pool):
 
 
 def body_read_sharded_parameters() -> dict:
-    from strategies.sharding.placeholder import ShardedParameterError
+    from strategies.sharding.parameter import ShardedParameterError
 
     trainer = fit(new_model(), FSDPStrategy(auto_wrap_policy={Block}), dist.get_world_size(), PER_RANK_BATCH)
     module, strategy = trainer.module, trainer.strategy

@@ -20,7 +20,7 @@ import strategies.sharding.gradients as unit_module
 from callbacks import Callback
 from strategies import FSDPStrategy, MixedPrecision
 from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions
-from strategies.sharding.init_record import InitRecord
+from strategies.sharding.meta_init import InitRecord
 from tests.test_parity import (
     DIM,
     HIDDEN,

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from callbacks import Callback
 from strategies import FSDPStrategy
-from strategies.sharding.placeholder import ShardedParameterError
+from strategies.sharding.parameter import ShardedParameterError
 from tests.test_parity import max_relative_difference
 from trainer import DataModule, Trainer, TrainModule
 from trainer.hparams import AttributeDict

@@ -177,7 +177,7 @@ def test_one_rank_on_the_many_rank_path_matches_one_process(monkeypatch):
     benchmarks/overhead.py) fsdp forms its units, frees and gathers them and reduces through its buffers as on many
     ranks, each gather and reduction a local copy: every strategy must still train exactly as one process."""
     from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
-    from strategies.sharding.placeholder import ShardedParameter
+    from strategies.sharding.parameter import ShardedParameter
 
     monkeypatch.setenv(ONE_RANK_COLLECTIVES, "1")
     results = body_fit_every_strategy(["sgd", "adamw"])

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from strategies import FSDPStrategy
-from strategies.sharding.placeholder import ShardedParameterError
+from strategies.sharding.parameter import ShardedParameterError
 from tests.test_lightning import QUIET, BoringModel, RandomDataset, make_strategy
 from tests.test_parity import max_relative_difference
 from tests.test_plain_torch import CLIP, STRATEGIES, make, one_process, plain_loop

@@ -4,11 +4,10 @@
     trainer.plan(module)                  # the same table, for the Trainer's world size and strategy options
 """
 
-from .forecast import FORECAST_KEYS, StepForecast
 from .hardware import HARDWARE, Hardware, Link, get_hardware
 from .model_bytes import OPTIMIZER_STATES, model_state_bytes, optimizer_kind
 from .planner import meta_copy, plan_memory
-from .report import STRATEGY_ORDER, MemoryPlan, StrategyMemory
+from .report import FORECAST_KEYS, STRATEGY_ORDER, MemoryPlan, StepForecast, StrategyMemory
 from .sizes import device_memory_per_rank, format_bytes, parse_bytes
 
 __all__ = [

@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..sharding.hooks import cast_floating
-from ..sharding.units import NORM_LAYERS
+from ..sharding.unit import NORM_LAYERS
 from .activation_checkpointing import checkpoint_modules
 
 AUTOCAST = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": None, "16-true": None}

@@ -19,37 +19,20 @@ and state). `exposed_comm_s` is the step minus its compute: the time compute wai
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..sharding.engine import REDUCE_TOGETHER_BYTES, REDUCTIONS_IN_FLIGHT
-from ..sharding.forward import SMALL_UNIT_FRACTION
+from ..sharding.hooks import SMALL_UNIT_FRACTION
 from .compute import ComputeCost
 from .hardware import Hardware
 from .link import collective_seconds
+from .report import StepForecast
 
 if TYPE_CHECKING:
     from .model_bytes import PlannedUnit
-
-FORECAST_KEYS = ("step_s", "tokens_per_s_per_rank", "mfu", "exposed_comm_s")
-
-
-@dataclass(frozen=True)
-class StepForecast:
-    """One strategy's training step on one rank, in seconds, and what it gives."""
-
-    step_s: float
-    tokens_per_s_per_rank: float
-    mfu: float  # model FLOPs per second over the hardware's peak in the compute dtype
-    exposed_comm_s: float
-    compute_s: float  # forward and backward (recomputation included)
-    optimizer_s: float
-    comm_s: float  # every collective's own time, overlapped or not
-
-    def to_json(self) -> dict[str, float]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..sharding import ShardingSpec
 from ..sharding.layout import FlatLayout
-from ..sharding.units import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
+from ..sharding.unit import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
 from ..wrap import resolve_wrap_policy
 from .activations import StepActivations
 from .report import StrategyMemory

@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from ..registry import STRATEGIES
-from ..sharding.units import gradient_buckets
+from ..sharding.unit import gradient_buckets
 from ..wrap import resolve_wrap_policy
 from .activations import AUTOCAST, TRUE_DTYPES, step_activations
 from .compute import AC_MODES, compute_cost
-from .forecast import StepForecast, Topology, forecast_step
+from .forecast import Topology, forecast_step
 from .hardware import Hardware, default_hardware, get_hardware
 from .model_bytes import OPTIMIZER_STATES, check_optimizer, model_state_bytes, optimizer_kind, plan_units
-from .report import STRATEGY_ORDER, MemoryPlan
+from .report import STRATEGY_ORDER, MemoryPlan, StepForecast
 from .sizes import format_bytes, parse_bytes
 
 SCHEDULES = {"engine": 1, "fully_shard": 2}  # communication streams of each

@@ -1,10 +1,10 @@
-"""The plan as a result: bytes per rank by strategy, the table and JSON made of them, and the choice they imply."""
+"""The plan as a result: bytes per rank by strategy and each one's step-time forecast (forecast.py makes them), the
+table and JSON made of them, and the choice they imply."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from .forecast import FORECAST_KEYS, StepForecast
 from .sizes import format_bytes
 
 STRATEGY_ORDER = ("ddp", "zero1", "zero2", "hsdp", "fsdp")  # least communication first (hsdp: when planned)
@@ -48,6 +48,25 @@ class StrategyMemory:
     def total(self) -> int:
         """The peak of a training step: forward and backward's, or the optimizer step's."""
         return max(self.backward_peak, self.step_peak)
+
+
+FORECAST_KEYS = ("step_s", "tokens_per_s_per_rank", "mfu", "exposed_comm_s")
+
+
+@dataclass(frozen=True)
+class StepForecast:
+    """One strategy's training step on one rank, in seconds, and what it gives."""
+
+    step_s: float
+    tokens_per_s_per_rank: float
+    mfu: float  # model FLOPs per second over the hardware's peak in the compute dtype
+    exposed_comm_s: float
+    compute_s: float  # forward and backward (recomputation included)
+    optimizer_s: float
+    comm_s: float  # every collective's own time, overlapped or not
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
 
 
 @dataclass

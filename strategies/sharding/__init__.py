@@ -1,9 +1,10 @@
 """The one sharding engine behind every strategy."""
 
+from . import collectives as observe  # the watching half of collectives.py, public as `strategies.observe`
 from .engine import ShardingEngine, WrapPolicy
-from .flat_pieces import FlatPieces
+from .layout import FlatPieces
 from .spec import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingSpec, UnitOptions
-from .units import mark_as_unit
+from .unit import mark_as_unit
 
 __all__ = [
     "FULL_SHARD",
@@ -15,4 +16,5 @@ __all__ = [
     "ShardingSpec", "UnitOptions",
     "WrapPolicy",
     "mark_as_unit",
+    "observe",
 ]

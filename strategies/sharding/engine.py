@@ -2,7 +2,7 @@
 
 After the engine is built the model stays an ordinary module, driven by plain torch:
 - forward: under fsdp each unit gathers its parameters around its own forward; modules outside every wrapped unit
-  gather the root unit (the parameters no wrapped unit holds) around theirs (forward.py);
+  gather the root unit (the parameters no wrapped unit holds) around theirs (hooks.py);
 - `loss.backward()`: gradient hooks start each unit's reduction as soon as its gradients are in, and a callback
   queued on the autograd engine finishes them all when backward ends;
 - `optimizer.step()` on the optimizer given to `setup_optimizer`: a post-step hook brings every copy of the
@@ -25,19 +25,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import observe
-from .collectives import CommStats, one_rank_collectives, wait
-from .forward import ForwardHooks
-from .gradients import ShardedGradients, launch_together, read_used_flags
+from .collectives import CommStats, collective, one_rank_collectives, wait
+from .gradients import (
+    GradientNorms,
+    ShardedGradient,
+    ShardedGradients,
+    gradient_store,
+    launch_together,
+    read_used_flags,
+)
 from .groups import make_groups
-from .init_record import InitRecord
-from .materialize import has_meta_buffers, materialize, replace_meta_parameters
+from .hooks import ForwardHooks
+from .meta_init import InitRecord, has_meta_buffers, materialize, replace_meta_parameters
 from .optimizer_record import mark_state_dicts
-from .placeholder import mark_unsharded
-from .sharded_gradient import GradientNorms, ShardedGradient
+from .parameter import mark_unsharded
 from .spec import ZERO2, ShardingSpec, UnitOptions
-from .unit import ShardUnit
-from .units import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
+from .unit import ShardUnit, assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
 
 WrapPolicy = Callable[[nn.Module, str], bool]
 REDUCTIONS_IN_FLIGHT = 1  # sharded-gradient reductions allowed to overlap backward before the oldest is awaited
@@ -60,7 +63,7 @@ class ShardingEngine:
         shard_group_size: int | None = None,
         init_record: InitRecord | None = None,
     ) -> None:
-        """`init_record`: how the model's meta tensors were made (deferred_init.py); they are replayed exactly."""
+        """`init_record`: how the model's meta tensors were made (meta_init.py); they are replayed exactly."""
         self.module, self.spec = module, spec
         self.unit_options = unit_options or UnitOptions()
         _check_options(spec, self.unit_options)
@@ -106,7 +109,7 @@ class ShardingEngine:
         """Rank 0's buffers are the truth (parameters are broadcast per unit, see _build_units)."""
         if self.groups.data_parallel_size > 1:
             for b in (b for b in self.module.buffers() if not b.is_meta):
-                with observe.collective("broadcast", "<buffers>", b.numel(), self.groups.everyone):
+                with collective("broadcast", "<buffers>", b.numel(), self.groups.everyone):
                     dist.broadcast(b.data, src=self.groups.source, group=self.groups.everyone)
 
     def _build_units(self, wrap_policy: WrapPolicy | None) -> list[ShardUnit]:
@@ -166,7 +169,7 @@ class ShardingEngine:
                 "wrap the modules of each dtype as separate units"
             )
         return ShardUnit(name, params, self.spec, self.groups, self.stats, module, self.device, options,
-                         frozenset(self._meta_ids))
+                         frozenset(self._meta_ids), gradient_store=gradient_store)
 
     def _register_grad_hooks(self) -> None:
         # A tensor's hooks are held from C++, where the garbage collector cannot see a cycle through them, so

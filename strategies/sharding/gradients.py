@@ -1,5 +1,7 @@
-"""A unit's gradients, in one of two stores chosen once from the spec.
+"""A unit's gradients: the two stores that keep and reduce them, what `.grad` holds when they are sharded, and
+what a user does with them before the optimizer step.
 
+The store, chosen once from the spec (`gradient_store`):
 - ReplicatedGradients (ddp, zero1): one flat bucket in the unit's layout, each parameter's `.grad` a view of it,
   averaged by an all-reduce in place. zero1's optimizer reads this rank's slice of it.
 - ShardedGradients (zero2, fsdp): each parameter's `.grad` is reduce-scattered as it is, and this rank keeps only
@@ -9,22 +11,46 @@ Both send one "used" flag per parameter with the gradients (1 where this rank ha
 the same collective, so no extra message is needed to know which parameters some rank used. A parameter that no
 rank used keeps `.grad is None` and is not stepped, as in one process; one used on some ranks only gets the
 average over all ranks (zeros from the others), as with torch DDP.
+
+What `.grad` of a parameter holds when gradients are sharded (zero2, fsdp): a placeholder of the parameter's
+shape and dtype standing for the averaged gradient, of which this rank holds one slice (no memory of its own).
+
+torch's gradient utilities work on it as on the full gradient, as they do on FSDP2's DTensor gradients:
+- norms (`torch.linalg.vector_norm`, `Tensor.norm`, `torch._foreach_norm`: what `clip_grad_norm_` calls) are the
+  full gradient's: each parameter's norm is combined from every rank's slice. The norms of all parameters are
+  combined at once, in one all-reduce, and kept until a gradient changes, so `clip_grad_norm_(model.parameters())`
+  costs one small collective. A norm is therefore collective: every rank must ask for it.
+- scaling and clamping in place (`mul_`, `div_`, `clamp_`, `zero_` and their foreach forms: what `clip_grad_norm_`
+  and `clip_grad_value_` call) apply to this rank's slice, so every slice is clipped.
+Every other computation on it is an error that says what works (the class refuses as parameter.py's do).
+
+What a user does with the gradients between backward and the optimizer step: read the tensors this rank's
+optimizer steps from, clip them (by the global norm over every rank, or by value), and gather them in full for
+inspection.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+import math
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from .collectives import Work, all_reduce_sum, reduce_scatter_parts, wait
-from .placeholder import metadata_access
-from .sharded_gradient import GradientNorms, ShardedGradient, sharded_gradient
+from .collectives import Work, all_reduce_sum, collective, reduce_scatter_parts, wait
+from .parameter import ShardedParameterError, _Refuses, metadata_access
 
 if TYPE_CHECKING:
+    from .groups import Groups
+    from .spec import ShardingSpec
     from .unit import ShardUnit
 
 
+# ---- the stores --------------------------------------------------------------------------------------------
 class NoGradients:
     """A unit without trainable parameters."""
 
@@ -179,7 +205,7 @@ class ShardedGradients:
         self._output: torch.Tensor | None = None
         self._across_groups = False  # hybrid: the reduce-scatter is done, the all-reduce across groups in flight
         self._placeholders: dict[int, ShardedGradient] = {}  # by parameter index: made once, shown at every step
-        self.norms: GradientNorms | None = None  # the engine's, shared by all its units (sharded_gradient.py)
+        self.norms: GradientNorms | None = None  # the engine's, shared by all its units (see GradientNorms)
         self._generation = 0  # counts the shards this store has made: with the version, whether it changed
         self.size = unit.layout.trainable_shard_size  # the gradient shard covers the trainable segment only
         self.output_size = self.size + len(unit.params)  # this rank's slice of a reduction: the shard, then flags
@@ -419,8 +445,8 @@ class ShardedGradients:
         return [self.shard] if indices is None else _piece_parts(self.shard, self.pieces, indices)
 
     def _show(self, used: list[bool]) -> None:
-        """`.grad` of each trainable parameter: a placeholder (sharded_gradient.py) where some rank had a gradient
-        since zero_grad, else None."""
+        """`.grad` of each trainable parameter: a placeholder (ShardedGradient) where some rank had a gradient since
+        zero_grad, else None."""
         unit = self.unit
         for index, p in enumerate(unit.params):
             if used[index] and unit.trainable[index] and index not in self._placeholders:
@@ -448,6 +474,12 @@ class ShardedGradients:
         return self._generation, self.shard._version if self.shard is not None else -1
 
     def refresh(self) -> None: ...
+
+
+def gradient_store(unit: ShardUnit) -> NoGradients | ReplicatedGradients | ShardedGradients:
+    """The store of `unit`'s gradients, chosen once from the spec (the engine gives this to every unit it builds)."""
+    stores = {False: ReplicatedGradients, True: ShardedGradients}
+    return stores[unit.spec.shard_gradients](unit) if any(unit.trainable) else NoGradients()
 
 
 def launch_together(stores: list[ShardedGradients]) -> None:
@@ -513,3 +545,258 @@ def _piece_parts(shard: torch.Tensor, pieces: list, indices: list[int]) -> list[
     """The parts of this rank's `shard` holding the pieces of the parameters `indices`."""
     wanted = set(indices)
     return [shard[p.shard_offset : p.shard_offset + p.numel] for p in pieces if p.param_index in wanted]
+
+
+# ---- what `.grad` holds when gradients are sharded ---------------------------------------------------------
+class ShardedGradient(_Refuses, torch.Tensor):
+    """The placeholder `.grad` of a parameter whose gradient is sharded (see the module docstring)."""
+
+    _sharded_name: str
+    _sharded_world_size: int
+    _store: weakref.ref  # the unit's ShardedGradients
+    _index: int  # of the parameter in its unit
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def refusal(self, operation: str) -> str:
+        return (f"the gradient of {self._sharded_name!r} is reduce-scattered: each of the {self._sharded_world_size} "
+                f"rank(s) holds only its shard, so it cannot be read here ({operation}). What works on it: "
+                "torch.nn.utils.clip_grad_norm_ and clip_grad_value_, norms (.norm(), torch.linalg.vector_norm; "
+                "collective: on every rank) and in-place scaling (mul_, div_, clamp_, zero_). Clip with "
+                "strategy.clip_gradients(max_norm) or torch's functions; read it in full with "
+                "strategy.full_gradients() (every rank), or use ddp / zero1, whose .grad is the full averaged "
+                "gradient.")
+
+    def part(self) -> torch.Tensor:
+        """This rank's slice of the gradient (1-D, maybe empty), a view into the unit's gradient shard."""
+        return self._store().part(self._index)
+
+    def __repr__(self) -> str:
+        return f"ShardedGradient({self._sharded_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def sharded_gradient(param: nn.Parameter, name: str, store: ShardedGradients, index: int) -> ShardedGradient:
+    """A ShardedGradient for parameter `index` of `store`'s unit (no memory: one element seen at every position)."""
+    zero = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+    grad = torch.Tensor._make_subclass(ShardedGradient, zero)
+    grad._sharded_name, grad._sharded_world_size = name, store.unit.world_size
+    grad._store, grad._index = weakref.ref(store), index
+    return grad
+
+
+class GradientNorms:
+    """The norm of every sharded gradient of an engine, combined over the ranks that shard it, computed for all of
+    them at once and kept until one of the gradient shards changes."""
+
+    def __init__(self, stores: list[ShardedGradients], groups: Groups, device: torch.device) -> None:
+        self.stores, self.groups, self.device = stores, groups, device
+        self._key: tuple | None = None
+        self._norms: dict[tuple[int, int], torch.Tensor] = {}
+
+    def norm(self, grad: ShardedGradient, ord: float) -> torch.Tensor:
+        key = (ord, tuple(store.state_token() for store in self.stores))
+        if key != self._key:
+            self._norms, self._key = self._compute(ord), key
+        return self._norms[id(grad._store()), grad._index]
+
+    def _compute(self, ord: float) -> dict[tuple[int, int], torch.Tensor]:
+        """Each rank's contribution for every parameter with a gradient, in a fixed order (the same on every
+        rank: which parameters have one is agreed in backward), combined in one all-reduce."""
+        entries = [(store, index) for store in self.stores for index in store.visible_indices()]
+        if not entries:
+            return {}
+        parts = [store.part(index) for store, index in entries]
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in parts), torch.float32)
+        local = torch.stack([_local_contribution(p.to(self.device, dtype), ord) for p in parts])
+        if self.groups.size > 1:  # hybrid sharding: the copies of a shard are equal, so the shard group suffices
+            dist.all_reduce(local, op=_REDUCE_OP.get(ord, dist.ReduceOp.SUM), group=self.groups.shard)
+        norms = _finish(local, ord)
+        return {(id(store), index): norm for (store, index), norm in zip(entries, norms)}
+
+
+_REDUCE_OP = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}
+
+
+def _local_contribution(part: torch.Tensor, ord: float) -> torch.Tensor:
+    """What this rank's slice adds to a p-norm: the sum of |x|^p (the count of non-zeros for p=0), or for the
+    infinity norms its max (min) of |x|; an empty slice adds nothing."""
+    if part.numel() == 0:
+        return torch.tensor(math.inf if ord == -math.inf else 0.0, dtype=part.dtype, device=part.device)
+    norm = torch.linalg.vector_norm(part, ord)
+    return norm if ord in (0, math.inf, -math.inf) else norm.pow(ord)
+
+
+def _finish(combined: torch.Tensor, ord: float) -> torch.Tensor:
+    return combined if ord in (0, math.inf, -math.inf) else combined.pow(1.0 / ord)
+
+
+# ---- what torch's functions may do with a ShardedGradient ------------------------------------------------
+def _vector_norm(grad: torch.Tensor, ord: float = 2, dim: Any = None, keepdim: bool = False,
+                 *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if not isinstance(grad, ShardedGradient):  # a plain tensor beside placeholders in a foreach list
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.linalg.vector_norm(grad, ord, dim, keepdim, dtype=dtype)
+    if dim is not None:
+        raise _refused(grad, f"vector_norm over dim={dim}")
+    store = grad._store()
+    norm = store.norms.norm(grad, float(ord))
+    norm = norm.to(grad.device, dtype or grad.dtype)
+    return norm.reshape([1] * grad.dim()) if keepdim else norm
+
+
+def _tensor_norm(grad: torch.Tensor, p: Any = "fro", dim: Any = None, keepdim: bool = False,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    if p is None or p == "fro":
+        p = 2
+    if isinstance(p, str):
+        raise _refused(grad, f"norm(p={p!r})")
+    return _vector_norm(grad, p, dim, keepdim, dtype=dtype)
+
+
+def _foreach_norm(grads: list[torch.Tensor], ord: float = 2, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    return [_vector_norm(g, ord, dtype=dtype) for g in grads]
+
+
+def _in_place(operation: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """`operation(slice, *args)` on this rank's slice of the gradient; the placeholder itself is returned, as
+    torch's in-place methods return their tensor."""
+
+    def apply(grad: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        target = grad.part() if isinstance(grad, ShardedGradient) else grad
+        with torch._C.DisableTorchFunctionSubclass():
+            operation(target, *[_like(a, target) for a in args], **{k: _like(v, target) for k, v in kwargs.items()})
+        return grad
+
+    return apply
+
+
+def _like(value: Any, target: torch.Tensor) -> Any:
+    """A tensor operand (a clip coefficient) on the slice's device and in its dtype; scalars as they are."""
+    if isinstance(value, ShardedGradient):
+        raise _refused(value, "an operand of an in-place operation")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError("a sharded gradient can be scaled in place by a number or a one-element tensor only, "
+                             f"got a tensor of shape {tuple(value.shape)}")
+        return value.to(target.device, target.dtype)
+    return value
+
+
+def _foreach(single: Callable[..., torch.Tensor]) -> Callable[..., None]:
+    """torch._foreach_<op>_(tensors, operand): the single-tensor form on each (one operand for all, or a list)."""
+
+    def apply(grads: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        if args and isinstance(args[0], (list, tuple)):
+            for grad, operand in zip(grads, args[0]):
+                single(grad, operand, *args[1:], **kwargs)
+        else:
+            for grad in grads:
+                single(grad, *args, **kwargs)
+
+    return apply
+
+
+def _refused(grad: torch.Tensor, operation: str) -> Exception:
+    return ShardedParameterError(grad.refusal(operation))
+
+
+def _itself(grad: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return grad
+
+
+_MUL, _DIV = _in_place(torch.Tensor.mul_), _in_place(torch.Tensor.div_)
+_CLAMP, _ZERO = _in_place(torch.Tensor.clamp_), _in_place(torch.Tensor.zero_)
+_CLAMP_MIN, _CLAMP_MAX = _in_place(torch.Tensor.clamp_min_), _in_place(torch.Tensor.clamp_max_)
+_HANDLERS: dict[Any, Callable[..., Any]] = {
+    torch.linalg.vector_norm: _vector_norm,
+    torch.Tensor.norm: _tensor_norm,
+    torch.norm: _tensor_norm,
+    torch._foreach_norm: _foreach_norm,
+    torch.Tensor.mul_: _MUL,
+    torch.Tensor.div_: _DIV,
+    torch.Tensor.clamp_: _CLAMP,
+    torch.Tensor.clamp_min_: _CLAMP_MIN,
+    torch.Tensor.clamp_max_: _CLAMP_MAX,
+    torch.Tensor.zero_: _ZERO,
+    torch._foreach_mul_: _foreach(_MUL),
+    torch._foreach_div_: _foreach(_DIV),
+    torch._foreach_clamp_min_: _foreach(_CLAMP_MIN),
+    torch._foreach_clamp_max_: _foreach(_CLAMP_MAX),
+    torch._foreach_zero_: _foreach(_ZERO),
+    # a detached alias of a gradient is the gradient: `p.grad.data.norm()`, `p.grad.detach_()` (Module.zero_grad)
+    torch.Tensor.data.__get__: _itself,
+    torch.Tensor.detach: _itself,
+    torch.Tensor.detach_: _itself,
+    torch.Tensor.grad_fn.__get__: lambda grad: None,
+}
+
+
+# ---- what a user does with the gradients between backward and the optimizer step ---------------------------
+class _Engine(Protocol):
+    """What the functions below read of the engine (engine.py's ShardingEngine, which imports this module)."""
+
+    units: list[ShardUnit]
+    spec: ShardingSpec
+    groups: Groups
+    world_size: int
+    device: torch.device
+
+
+def gradient_tensors(engine: _Engine, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The gradient tensors this rank's optimizer reads (of `params`, or all), in the master's dtype."""
+    wanted = None if params is None else {id(p) for p in params}
+    out = []
+    for unit in engine.units:
+        indices = None if wanted is None else [i for i, p in enumerate(unit.params) if id(p) in wanted]
+        if indices != []:
+            out += unit.grads.tensors(indices)
+    return out
+
+
+def clip_grad_norm_(engine: _Engine, max_norm: float, params: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Scale gradients (of `params`, or all) so that their global L2 norm over every rank is <= max_norm. The
+    norm is computed in the gradients' own dtype (the widest, if they differ), as torch's clip_grad_norm_."""
+    grads = gradient_tensors(engine, params)
+    squares = [torch.linalg.vector_norm(g).square() for g in grads]
+    dtype = functools.reduce(torch.promote_types, (s.dtype for s in squares), torch.float32)
+    total = torch.zeros((), dtype=dtype, device=engine.device)
+    for square in squares:
+        total += square.to(engine.device, dtype)
+    if engine.spec.shard_optimizer_state and engine.world_size > 1:
+        with collective("all_reduce", "<gradient norm>", 1, engine.groups.shard):
+            dist.all_reduce(total, group=engine.groups.shard)
+    total = total.sqrt()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return total
+
+
+def clip_grad_value_(engine: _Engine, value: float, params: list[torch.Tensor] | None = None) -> None:
+    """Clamp every gradient element (of `params`, or all) to [-value, value]; element-wise, so each rank
+    clamps what it holds."""
+    for grad in gradient_tensors(engine, params):
+        grad.clamp_(-value, value)
+
+
+def full_gradients(engine: _Engine) -> dict[str, torch.Tensor]:
+    """Every parameter's averaged gradient in full, by name (those without one left out). Collective; holds
+    them all at once: for inspection, not for every step."""
+    out = {}
+    for unit in (u for u in engine.units if any(u.trainable)):
+        if engine.spec.shard_gradients:
+            shard = unit.grads.tensors()
+            if not shard:  # no gradient since zero_grad (on every rank alike)
+                continue
+            full, used = unit.gather_full(shard[0]), unit.grads.used
+        else:
+            full, used = unit.grads.flat, [p.grad is not None for p in unit.params]
+        for name, view, has, trainable in zip(unit.param_names, unit.layout.views(full), used, unit.trainable):
+            if has and trainable:
+                out[name] = view.detach().clone()
+    return out

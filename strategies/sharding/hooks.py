@@ -1,13 +1,270 @@
-"""Autograd plumbing for fsdp units: notice when a unit's backward starts and when it has finished."""
+"""fsdp's module hooks: every unit gathers its parameters around its own forward, and again for its backward.
+
+A wrapped unit hooks its module. The root unit (the parameters no wrapped unit holds) is gathered by every module
+outside the wrapped units that holds or contains such parameters, and by `scope()`, which the Trainer runs its step
+methods in (they may use root parameters directly). The outermost hooked call is one forward pass: it gathers the
+root unit and starts prefetching in the previous pass's order, and when no backward will follow (grad disabled) it
+frees every unit at its end. With grad enabled the root unit stays gathered until the end of backward (as in
+FSDP2), and each wrapped unit is gathered again when the gradient of its output arrives.
+
+Below them, the autograd plumbing they use: notice when a unit's backward starts and when it has finished, and
+cast floating inputs to a unit's compute dtype.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
+
+from .collectives import unit_forward
+from .unit import ParamState, ShardUnit
+
+if TYPE_CHECKING:
+    from .collectives import CommStats
+    from .spec import ShardingSpec
 
 
+SMALL_UNIT_FRACTION = 0.125  # prefetching looks past units smaller than this share of the largest
+
+
+class _Engine(Protocol):
+    """What the hooks use of the engine that drives them (engine.py's ShardingEngine, which imports this module)."""
+
+    module: nn.Module
+    units: list[ShardUnit]
+    spec: ShardingSpec
+    stats: CommStats
+    in_backward: bool  # the hooks of a recomputation (activation checkpointing) run during backward
+    _full_precision_units: set[str]  # names of the units kept in full precision under mixed precision
+
+    def queue_finish_backward(self) -> None: ...
+
+
+class ForwardHooks:
+    def __init__(
+        self,
+        engine: _Engine,
+        reshard_after_forward: bool,
+        forward_context: Callable[[], AbstractContextManager] | None,
+    ) -> None:
+        self.engine = engine
+        self.reshard_after_forward = reshard_after_forward
+        self.forward_context = forward_context  # entered around each forward pass that records for backward
+        self.root = next((u for u in engine.units if u.module is engine.module), None)
+        self.paused = False  # inside engine.unsharded(): every parameter is already there
+        self.depth = 0  # hooked calls in progress
+        self.order: list[ShardUnit] = []  # wrapped units in the order this pass ran them
+        self.last_order: list[ShardUnit] = []  # the previous pass's, for prefetching
+        self._context: AbstractContextManager | None = None
+        # The units are fixed once built: their largest size is worked out once (`_ahead` runs for every unit).
+        self._small_below = SMALL_UNIT_FRACTION * max((u.layout.padded_total for u in engine.units), default=0)
+
+    def register(self) -> list[Any]:
+        if not self.engine.spec.shard_parameters:
+            return self._register_input_casts()
+        handles = []
+        for unit in self.engine.units:
+            if unit is not self.root:
+                handles += self._hook(unit.module, unit)
+        for module in self._root_modules():
+            handles += self._hook(module, self.root)
+        return handles
+
+    def _register_input_casts(self) -> list[Any]:
+        """zero1/zero2 under mixed precision: the replicated parameters are in the compute dtype, so floating
+        inputs of every module holding parameters (or containing such) are cast to it, as FSDP2 does."""
+        dtype = self.engine.units[0].compute_dtype
+        cast = lambda _m, args, kwargs: (cast_floating(args, dtype), cast_floating(kwargs, dtype))  # noqa: E731
+        return [m.register_forward_pre_hook(cast, with_kwargs=True) for m in self._root_modules()]
+
+    def _hook(self, module: nn.Module, unit: ShardUnit | None) -> list[Any]:
+        return [
+            module.register_forward_pre_hook(lambda _m, args, kwargs: self.enter(unit, args, kwargs), with_kwargs=True),
+            module.register_forward_hook(lambda _m, _args, output: self.exit(unit, output), always_call=True),
+        ]
+
+    def _root_modules(self) -> list[nn.Module]:
+        """The root, and every module outside the wrapped units that holds a root-unit parameter or contains one
+        that does (so calling it directly gathers them too)."""
+        wrapped = {id(u.module) for u in self.engine.units if u is not self.root and u.module is not None}
+        roots = [self.root] if self.root else [u for u in self.engine.units if u.module is None]  # fsdp, or buckets
+        root_params = {id(p) for unit in roots for p in unit.params}
+        chosen: dict[int, nn.Module] = {}
+
+        def visit(module: nn.Module) -> bool:
+            holds = any(p is not None and id(p) in root_params for p in module._parameters.values())
+            for child in module.children():
+                if id(child) not in wrapped and visit(child):
+                    holds = True
+            if holds or module is self.engine.module:
+                chosen[id(module)] = module
+            return holds
+
+        visit(self.engine.module)
+        return list(chosen.values())
+
+    @contextmanager
+    def scope(self) -> Iterator[None]:
+        """Run a step method (training_step, ...) as one forward pass with the root unit gathered."""
+        self.enter(self.root, (), {})
+        try:
+            yield
+        finally:
+            self.exit(self.root, None)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def enter(self, unit: ShardUnit | None, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self.paused:
+            return None
+        if self.engine.in_backward:  # recomputation under activation checkpointing
+            if unit is not None:
+                unit.unshard()
+            return self._cast_inputs(unit, args, kwargs)
+        self.depth += 1
+        if self.depth == 1:
+            self._start_pass()
+        if unit is not None and unit is not self.root:
+            unit_forward(unit.name, True)  # (a profiler's named range; nothing unwatched)
+        if unit is not None:
+            unit.unshard()  # (the root too: an optimizer step inside a pass, as in a GAN's, reshards it)
+        if unit is None or unit is self.root:
+            return self._cast_inputs(unit, args, kwargs)
+        args, kwargs = self._cast_inputs(unit, args, kwargs)
+        self.order.append(unit)
+        self._prefetch(self._ahead(self.last_order, len(self.order), +1))
+        if torch.is_grad_enabled() and unit.trainable_count < len(unit.params):
+            # A frozen parameter has no gradient to say when backward is done with it: the unit's backward ends
+            # when its inputs' gradients exist. When every parameter is trainable, the last of their gradients
+            # is that moment already (each backward node that reads a parameter gives it a gradient, so all have
+            # run by then), and the unit needs no autograd Function on its inputs.
+            args, kwargs, unit.inputs_need_grad = call_after_inputs_grad(
+                args, kwargs, lambda: self._on_inputs_grad(unit)
+            )
+        return args, kwargs
+
+    def exit(self, unit: ShardUnit | None, output: Any) -> Any:
+        if self.paused:
+            return output
+        output = self._cast_output(unit, output)
+        if self.engine.in_backward:
+            return output
+        if unit is not None and unit is not self.root:
+            if self.reshard_after_forward and not self._is_last_in_forward(unit):
+                unit.reshard()
+            if torch.is_grad_enabled():
+                call_before_outputs_grad(output, lambda: self._pre_backward(unit))
+            unit_forward(unit.name, False)
+        self.depth -= 1
+        if self.depth == 0:
+            self._end_pass()
+        return output
+
+    def _start_pass(self) -> None:
+        if self.order:
+            self.last_order = self.order
+        self.order = []
+        if self.root is not None:
+            self.root.unshard()
+        self._prefetch(self._ahead(self.last_order, 0, +1))
+        if self.forward_context is not None and torch.is_grad_enabled():
+            self._context = self.forward_context()
+            self._context.__enter__()
+
+    def _end_pass(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
+        if not torch.is_grad_enabled():  # no backward will come to free them (evaluation, generation)
+            for unit in self.engine.units:
+                unit.reshard()
+
+    def _cast_inputs(self, unit: ShardUnit | None, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Under mixed precision floating inputs are cast to the unit's compute dtype (as FSDP2's
+        cast_forward_inputs); full-precision units (norm layers) cast their output back to the input's dtype."""
+        if unit is None or unit.compute_dtype == unit.dtype and unit.name not in self.engine._full_precision_units:
+            return args, kwargs
+        if unit.name in self.engine._full_precision_units:
+            unit.input_dtype = next((a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()), None)
+        return cast_floating(args, unit.compute_dtype), cast_floating(kwargs, unit.compute_dtype)
+
+    def _cast_output(self, unit: ShardUnit | None, output: Any) -> Any:
+        if unit is None or unit.name not in self.engine._full_precision_units or unit.input_dtype is None:
+            return output
+        return cast_floating(output, unit.input_dtype)
+
+    def _is_last_in_forward(self, unit: ShardUnit) -> bool:
+        """Whether `unit` just ran as the last unit of the forward (by the previous pass's order). Backward
+        starts with it, so it stays gathered instead of being freed and gathered again (when a backward comes;
+        otherwise the next optimizer step or evaluation reshards it)."""
+        order, last = self.order, self.last_order
+        return torch.is_grad_enabled() and len(order) == len(last) > 0 and order[-1] is unit is last[-1]
+
+    def _ahead(self, order: list[ShardUnit], start: int, step: int) -> list[ShardUnit]:
+        """The units to gather ahead: from order[start] on in the direction `step`, up to and including the first
+        that is not small. A small unit (a normalization layer kept in full precision is a unit of its own) would
+        otherwise be all the look-ahead there is, and the next block's gather would start only when it runs."""
+        window = []
+        while 0 <= start < len(order):
+            window.append(order[start])
+            if order[start].layout.padded_total >= self._small_below:
+                break
+            start += step
+        return window
+
+    def _prefetch(self, units: list[ShardUnit]) -> None:
+        for unit in units:
+            if unit.state is ParamState.SHARDED:
+                unit.unshard(async_op=True)
+
+    # ---- a rank without a batch takes part in the others' forward (strategies/step_trace.py) -------
+    @contextmanager
+    def observing(self, unit_gather: Callable[[int, str], None], collective: Callable[[str], None]) -> Iterator[None]:
+        """Inside the block, `unit_gather(unit index, unit name)` hears of each unit's all-gather before it is
+        issued, and `collective(kind)` of every collective of the engine (those all-gathers included)."""
+        for index, unit in enumerate(self.engine.units):
+            unit.before_gather = lambda u, i=index: unit_gather(i, u.name)
+        self.engine.stats.observer = collective
+        try:
+            yield
+        finally:
+            self.engine.stats.observer = None
+            for unit in self.engine.units:
+                unit.before_gather = None
+
+    def repeat_gather(self, index: int) -> None:
+        """All-gather unit `index`'s parameters and free them again: this rank's part in a forward pass that other
+        ranks run and this one does not (it has no batch); see strategies/step_trace.py."""
+        unit = self.engine.units[index]
+        unit.reshard()
+        unit.unshard()
+        unit.reshard()
+
+    # ---- backward -----------------------------------------------------------------------------------
+    def _pre_backward(self, unit: ShardUnit) -> None:
+        self.engine.queue_finish_backward()
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        unit.unshard()
+        if unit in self.order:
+            self._prefetch(self._ahead(self.order, self.order.index(unit) - 1, -1))
+
+    def _on_inputs_grad(self, unit: ShardUnit) -> None:
+        unit.input_grad_done = True
+        self.maybe_reshard_after_backward(unit)
+
+    def maybe_reshard_after_backward(self, unit: ShardUnit) -> None:
+        if unit is self.root or unit.module is None:
+            return  # the root is resharded when backward ends; buckets hold replicated parameters
+        if unit.grads_ready and (unit.input_grad_done or not unit.inputs_need_grad):
+            unit.reshard()
+
+
+# ---- autograd plumbing -------------------------------------------------------------------------------------
 class _AfterInputsGrad(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the gradients of those inputs exist,
     which is when the unit's own backward has finished."""

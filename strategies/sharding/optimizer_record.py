@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import json
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from .engine import ShardingEngine
 
 RECORD = "shardtrain_shard"  # the key added to a sharded optimizer's state_dict()
 
 
-def mark_state_dicts(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -> list[Any]:
+class _Engine(Protocol):
+    """What the record reads of the engine (engine.py's ShardingEngine, which imports this module)."""
+
+    units: list[Any]
+    rank: int
+    world_size: int
+
+    def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]: ...
+
+
+def mark_state_dicts(engine: _Engine, optimizer: torch.optim.Optimizer) -> list[Any]:
     """Add the record to `optimizer.state_dict()` and check it in `load_state_dict`; returns the hooks' handles."""
     record = _record(engine, optimizer)
 
@@ -34,7 +41,7 @@ def mark_state_dicts(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -
     return [optimizer.register_state_dict_post_hook(add), optimizer.register_load_state_dict_pre_hook(check)]
 
 
-def _record(engine: ShardingEngine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _record(engine: _Engine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     ids = {id(p) for p in engine.optimizer_parameters(optimizer)}
     layout = [(unit.name, [n for n, p in zip(unit.param_names, unit.params) if id(p) in ids],
                [list(s) for s in unit.layout.shapes], [(a, b) for _, a, b in unit.layout.owned(unit.rank)])

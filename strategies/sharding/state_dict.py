@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .engine import ShardingEngine
-from .flat_pieces import FlatPieces
+from .layout import FlatPieces
 from .unit import ShardUnit
 
 

@@ -1,10 +1,12 @@
-"""A unit: a group of parameters that is communicated together.
+"""A unit: a group of parameters that is communicated together, and which parameters go in which unit.
 
 Under fsdp a unit is a module chosen by the wrap policy (its parameters are all-gathered before it computes and
 freed after); under ddp, zero1 and zero2 a unit is a gradient bucket. Either way the unit owns one flat buffer of
 its parameters (see layout.py), which every parameter is a view of while unsharded, and a gradient store
 (gradients.py) chosen once from the spec. When optimizer state is sharded, this rank's slices of the parameters
 (`shard_params`, views of the master) are the tensors the optimizer steps.
+
+Which parameters go in which unit (the second half): buckets for replicated parameters, wrapped modules for fsdp.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import CommStats, Work, all_gather, never_communicates, wait
-from .gradients import NoGradients, ReplicatedGradients, ShardedGradients
 from .groups import Groups
 from .layout import FlatLayout, Piece
-from .placeholder import label_sharded, mark_sharded, mark_unsharded
+from .parameter import label_sharded, mark_sharded, mark_unsharded
 from .spec import ShardingSpec, UnitOptions
 
 
@@ -43,9 +44,13 @@ class ShardUnit:
         device: torch.device | None = None,
         options: UnitOptions | None = None,
         uninitialised: frozenset[int] = frozenset(),
+        *,
+        gradient_store: Callable[[ShardUnit], Any],
     ) -> None:
         """`uninitialised`: ids of parameters whose values are written later (made on the meta device: see
-        materialize.py); nothing is copied from them, so their unit's buffers stay untouched until then."""
+        meta_init.py); nothing is copied from them, so their unit's buffers stay untouched until then.
+        `gradient_store(unit)` makes the unit's gradient store once its buffers are built (gradients.py's
+        `gradient_store`, given by the engine: the stores read the unit, so this module does not import them)."""
         self.name, self.module, self.spec, self.groups, self.stats = name, module, spec, groups, stats
         self.rank, self.world_size = groups.rank, groups.size  # in the shard group
         self._gathers_alone = never_communicates(groups.shard)  # (asked once: every unshard would ask)
@@ -62,8 +67,7 @@ class ShardUnit:
         self.shard_device = torch.device("cpu") if options.offload_to_cpu else self.device
         self._build_parameter_buffers(uninitialised)
         self._build_optimizer_shard()
-        stores = {False: ReplicatedGradients, True: ShardedGradients}
-        self.grads = stores[spec.shard_gradients](self) if any(self.trainable) else NoGradients()
+        self.grads = gradient_store(self)
         self.state = ParamState.UNSHARDED
         self._gather_works: list[Work] = []
         self.before_gather: Callable[[ShardUnit], None] | None = None  # the engine's `observing`
@@ -187,7 +191,7 @@ class ShardUnit:
 
     def reshard(self) -> None:
         """Free the full parameters. Each parameter keeps its object, shape and dtype, but any read of it is an
-        error naming it until the unit is gathered again (placeholder.py)."""
+        error naming it until the unit is gathered again (parameter.py)."""
         if not self.spec.shard_parameters or self.state is ParamState.SHARDED:
             return
         if self._gather_works and any(getattr(work, "abandoned", None) is not None for work in self._gather_works):
@@ -284,3 +288,89 @@ class NamingFailures:
         if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
             return False  # not from a collective (torch.OutOfMemoryError, ...)
         raise type(error)(f"{self.what} of unit {self.unit or '<root>'!r}: {error}") from error
+
+
+# ---- which parameters go in which unit ---------------------------------------------------------------------
+BUCKET_ELEMENTS = 25 * 1024 * 1024 // 4  # like torch DDP's 25 MiB buckets, in fp32 elements
+
+NamedParams = list[tuple[str, nn.Parameter]]
+NORM_LAYERS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def full_precision_norm_units(root: nn.Module, chosen: set[str]) -> set[str]:
+    """Under mixed precision, the normalization layers not already chosen as units become units of their own, kept
+    in full precision (layer statistics are fragile in bf16/fp16)."""
+    return {name for name, m in root.named_modules() if name and isinstance(m, NORM_LAYERS)} - chosen
+
+
+def unique_named_parameters(root: nn.Module) -> NamedParams:
+    """Each parameter once, under the first name it is registered with (tied weights share one entry)."""
+    return list(root.named_parameters())
+
+
+def gradient_buckets(root: nn.Module, bucket_elements: int = BUCKET_ELEMENTS) -> list[NamedParams]:
+    """Parameters in reverse registration order (roughly the order backward produces their gradients), cut into
+    buckets of at most `bucket_elements` of one dtype, device and kind: frozen parameters get buckets of their own,
+    which are never reduced, so each trainable bucket is split evenly over the ranks (layout.py)."""
+    buckets: list[NamedParams] = []
+    filling: dict[tuple, tuple[NamedParams, int]] = {}  # by kind: the bucket being filled and its size
+    for name, p in reversed(unique_named_parameters(root)):
+        kind = (p.dtype, p.device, p.requires_grad)
+        current, size = filling.get(kind, ([], 0))
+        if current and size + p.numel() > bucket_elements:
+            buckets.append(current)
+            current, size = [], 0
+        filling[kind] = (current + [(name, p)], size + p.numel())
+    buckets += [bucket for bucket, _ in filling.values()]
+    order = {id(p): i for i, (_, p) in enumerate(reversed(unique_named_parameters(root)))}
+    return sorted(buckets, key=lambda bucket: order[id(bucket[0][1])])
+
+
+def policy_modules(
+    root: nn.Module, policy: Callable[[nn.Module, str], bool] | None
+) -> list[tuple[str, nn.Module]]:
+    """Modules the policy makes units, in registration order, plus modules marked by hand; never the root."""
+    chosen = []
+    for name, module in root.named_modules():
+        if not name:
+            continue
+        if getattr(module, "_shard_unit", False) or (policy is not None and policy(module, name)):
+            chosen.append((name, module))
+    return chosen
+
+
+def _ancestors(unit_names: list[str], module_name: str) -> list[str]:
+    """Unit names that contain `module_name` (the root, "", contains everything), shallowest first."""
+    return [u for u in unit_names if u == "" or module_name == u or module_name.startswith(u + ".")]
+
+
+def assign_to_units(root: nn.Module, unit_names: list[str]) -> dict[str, NamedParams]:
+    """Each parameter goes to the deepest unit that contains every module using it, so a tied parameter
+    (an embedding shared with the output head, say) lives in one unit that is gathered for both uses."""
+    unit_names = [""] + sorted(unit_names, key=lambda n: n.count(".") + 1 if n else 0)
+    holders: dict[int, list[str]] = {}
+    for module_name, module in root.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                holders.setdefault(id(p), []).append(module_name)
+    assigned: dict[str, NamedParams] = {name: [] for name in unit_names}
+    for name, p in unique_named_parameters(root):
+        common = set(unit_names)
+        for holder in holders[id(p)]:
+            common &= set(_ancestors(unit_names, holder))
+        owner = max(common, key=lambda n: (n.count(".") + 1 if n else 0, len(n)))
+        assigned[owner].append((name, p))
+    return assigned
+
+
+def mark_as_unit(module: nn.Module) -> nn.Module:
+    """Make `module` an FSDP unit by hand, whatever the `auto_wrap_policy` says (call it in `configure_model`).
+
+    Args:
+        module: a submodule of the model (the model itself is always the last unit).
+
+    Returns:
+        `module`, marked.
+    """
+    module._shard_unit = True
+    return module

@@ -1,6 +1,6 @@
 """detect_divergence: ranks out of step are named, not waited on.
 
-Before each collective of the engine and the strategy (strategies/sharding/observe.py), every rank publishes what it
+Before each collective of the engine and the strategy (strategies/sharding/collectives.py), every rank publishes what it
 is about to make (kind, unit, size, its number in its channel, and the line of user code that led there) in a
 key-value store beside the process group: torch's TCPStore at MASTER_ADDR:MASTER_PORT, which torchrun, the Trainer's
 launcher and the test pool all serve. Before waiting for that collective, a rank reads what the other ranks of its

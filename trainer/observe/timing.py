@@ -3,7 +3,7 @@
 Phases, exclusive (a phase inside another, such as backward inside a manual training_step, counts only once):
 forward (training_step), backward, optimizer (unscaling, clipping, optimizer.step, zero_grad) and validation; and
 per optimizer step its wall time, validation left out (data loading, hooks and checkpoints are in it).
-Collectives, per kind and unit (strategies/sharding/observe.py): calls, the time in flight (from issuing it to the
+Collectives, per kind and unit (strategies/sharding/collectives.py): calls, the time in flight (from issuing it to the
 end of its wait) and the exposed part (the time spent inside its wait: what compute did not hide). A phase's time
 includes the exposed communication inside it.
 
