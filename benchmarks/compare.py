@@ -1,8 +1,8 @@
 """Step time and peak memory of this project's strategies next to torch's own, on the same GPT, in one run.
 
-    python benchmarks/compare.py                                  # 30m and 100m presets, every variant
-    python benchmarks/compare.py --preset 30m --rounds 3
-    python benchmarks/compare.py --variants torch-ddp,ddp,floor --memory inline
+    python -m benchmarks.compare                                  # 30m and 100m presets, every variant
+    python -m benchmarks.compare --preset 30m --rounds 3
+    python -m benchmarks.compare --variants torch-ddp,ddp,floor --memory inline
 
 For each preset two ranks (gloo, one thread each: OMP_NUM_THREADS=1 and torch.set_num_threads(1)) are started
 once and train every variant in turn, round after round (each round starts one variant later), so machine drift
@@ -58,14 +58,12 @@ import tempfile
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from examples.gpt import GPT, GPT_PRESETS, Block, GPTConfig, TextWindows, load_corpus  # noqa: E402
-from strategies import observe  # noqa: E402
+from examples.gpt import GPT, GPT_PRESETS, Block, GPTConfig, TextWindows, load_corpus
+from strategies import observe
 
 MiB = 2**20
 VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "fsdp", "floor")
@@ -327,7 +325,7 @@ def launch(args, preset: str, variants: list[str], rounds: int, warmup: int, ste
     """One 2-rank job (this script with --worker) that runs `variants`; returns rank 0's summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        command = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--preset", preset,
+        command = [sys.executable, "-m", "benchmarks.compare", "--worker", "--out", out, "--preset", preset,
                    "--variants", ",".join(variants), "--rounds", str(rounds), "--warmup", str(warmup),
                    "--steps", str(steps), "--batch-size", str(args.batch_size),
                    "--block-size", str(args.block_size), "--lr", str(args.lr), "--seed", str(args.seed)]
@@ -470,7 +468,7 @@ def main(argv=None) -> None:
     presets = ["30m", "100m"] if args.preset == "both" else [args.preset]
     print(f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(f"machine: {machine()}")
-    print(f"command: python benchmarks/compare.py {shlex.join(sys.argv[1:])}".rstrip())
+    print(f"command: python -m benchmarks.compare {shlex.join(sys.argv[1:])}".rstrip())
     print(f"each variant: {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) AdamW steps, fp32, "
           f"{args.ranks} ranks on gloo, 1 thread per rank\n", flush=True)
     started, raw = time.perf_counter(), {}

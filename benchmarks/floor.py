@@ -1,7 +1,7 @@
 """Where the compute floor's time goes, and what the compiler can take off it (one process, one thread).
 
-    python benchmarks/floor.py                    # the 100m preset, batch 2 x 128 tokens, as compare.py's floor
-    python benchmarks/floor.py --preset 30m
+    python -m benchmarks.floor                    # the 100m preset, batch 2 x 128 tokens, as compare.py's floor
+    python -m benchmarks.floor --preset 30m
 
 Three tables: the eager step split by the profiler into matrix products and attention (the kernels inductor
 hands to the same BLAS on a CPU), AdamW and the rest; forward + backward with the blocks eager, compiled by
@@ -12,17 +12,13 @@ torch's default (foreach), fused=True and torch.compile(optimizer.step).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from examples.gpt import GPT, GPT_PRESETS, Block  # noqa: E402
+from examples.gpt import GPT, GPT_PRESETS, Block
 
 BLAS_KERNELS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
                 "aten::_scaled_dot_product_flash_attention_for_cpu",

@@ -1,8 +1,8 @@
 """The step-time forecast checked two ways, each printed as a table.
 
-    python benchmarks/forecast.py                # both
-    python benchmarks/forecast.py --only cpu     # this machine: calibrate, forecast, measure
-    python benchmarks/forecast.py --only paper   # Llama 3.1 8B against torchtitan's published H100 table
+    python -m benchmarks.forecast                # both
+    python -m benchmarks.forecast --only cpu     # this machine: calibrate, forecast, measure
+    python -m benchmarks.forecast --only paper   # Llama 3.1 8B against torchtitan's published H100 table
 
 cpu: `--measure` calibrates a profile on this machine (one step of the 30m GPT with one thread, a gloo sweep over
 2 ranks), the plan forecasts ddp, zero2 and fsdp on 2 ranks for benchmarks/compare.py's 30m preset (batch 2 x 128
@@ -30,13 +30,11 @@ import sys
 import tempfile
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from strategies.plan import HARDWARE, plan_memory  # noqa: E402
-from strategies.plan.hardware import with_changes  # noqa: E402
-from strategies.plan.measure import measure_hardware  # noqa: E402
+from strategies.plan import HARDWARE, plan_memory
+from strategies.plan.hardware import with_changes
+from strategies.plan.measure import measure_hardware
 
 TORCHTITAN_TPS = {8: 5762, 128: 5605}  # TPS/GPU, FSDP, Llama 3.1 8B, Tables 1 and 3
 CPU_VARIANTS = ("ddp", "zero2", "fsdp")
@@ -54,7 +52,7 @@ def cpu_check(rounds: int) -> None:
     plan = plan_memory(model, world_size=2, batch_size=2, seq_len=128, wrap_policy={Block}, hardware=profile)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "compare.json")
-        command = [sys.executable, os.path.join(os.path.dirname(__file__), "compare.py"), "--preset", "30m",
+        command = [sys.executable, "-m", "benchmarks.compare", "--preset", "30m",
                    "--variants", ",".join(CPU_VARIANTS), "--rounds", str(rounds), "--memory", "inline", "--json", out]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
@@ -171,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; machine: {platform.machine()}, "
           f"{os.cpu_count()} CPUs; torch {torch.__version__}")
-    print(f"command: python benchmarks/forecast.py {' '.join(sys.argv[1:])}".rstrip())
+    print(f"command: python -m benchmarks.forecast {' '.join(sys.argv[1:])}".rstrip())
     if args.only in (None, "cpu"):
         cpu_check(args.rounds)
     if args.only in (None, "paper"):

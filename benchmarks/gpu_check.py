@@ -1,14 +1,14 @@
 """One command that checks the project's GPU path (CUDA, nccl) against plain torch on the same GPU.
 
-    python benchmarks/gpu_check.py                         # on a machine with CUDA: every part
-    python benchmarks/gpu_check.py --device cpu --tiny     # the same code on CPU at tiny sizes (seconds)
-    python benchmarks/gpu_check.py --parts strategies,speed --jobs 1
+    python -m benchmarks.gpu_check                         # on a machine with CUDA: every part
+    python -m benchmarks.gpu_check --device cpu --tiny     # the same code on CPU at tiny sizes (seconds)
+    python -m benchmarks.gpu_check --parts strategies,speed --jobs 1
 
 Every part runs in its own process with its own timeout, at world size 1 over nccl (gloo on CPU): the correctness
 parts (several at once, --jobs) compare the project with plain torch, fp32 with TF32 off to 1e-5 and the
 reduced-precision modes by their loss curves to 2%; the speed parts run alone afterwards. The script prints a
-correctness table, the speed tables and a last line `gpu: K/N checks hold`. With $OUT set (a folder) the
-parts' whole log, the results as JSON and the profiler traces are written there.
+correctness table, the speed tables and a last line `gpu: K/N checks hold`. With --out-dir DIR the parts' whole
+log, the results as JSON and the profiler traces are written to DIR.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 
-from strategies.sharding.collectives import ONE_RANK_COLLECTIVES  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the parts run as modules from here
 
 
 @dataclass(frozen=True)
@@ -71,14 +70,14 @@ class Outcome:
 # -------------------------------------------------------------------------------------------------- a part
 
 
-def run_part_here(name: str, device: str, tiny: bool, speed_batch: int) -> None:
+def run_part_here(name: str, device: str, tiny: bool, speed_batch: int, out_dir: str | None) -> None:
     """The body of one part's process."""
     import importlib
 
     from benchmarks.gpu.common import Settings, finish, start
 
     part = PARTS[name]
-    settings = Settings(device, tiny, speed_batch)
+    settings = Settings(device, tiny, speed_batch, out_dir)
     start(settings, deterministic=not part.speed)
     getattr(importlib.import_module(f"benchmarks.gpu.{part.module}"), part.function)(settings)
     finish()
@@ -87,9 +86,10 @@ def run_part_here(name: str, device: str, tiny: bool, speed_batch: int) -> None:
 def launch(name: str, args: argparse.Namespace) -> Outcome:
     from benchmarks.gpu.common import RESULT_PREFIX
 
-    command = [sys.executable, os.path.abspath(__file__), "--run-part", name, "--device", args.device]
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--run-part", name, "--device", args.device]
     command += ["--tiny"] if args.tiny else []
     command += ["--speed-batch", str(args.speed_batch)]
+    command += ["--out-dir", args.out_dir] if args.out_dir else []
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if not PARTS[name].speed:
         env[ONE_RANK_COLLECTIVES] = PARTS[name].one_rank_collectives
@@ -100,7 +100,7 @@ def launch(name: str, args: argparse.Namespace) -> Outcome:
         return Outcome(name, None, 0.0, log="skipped: --budget-s spent")
     try:
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              timeout=timeout, cwd=os.path.dirname(HERE))
+                              timeout=timeout, cwd=ROOT)
         returncode, log = done.returncode, done.stdout
     except subprocess.TimeoutExpired as expired:
         returncode, log = None, _text(expired.stdout)
@@ -203,10 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every part's timeout")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting parts after this many seconds "
                         "(and cut the running ones' timeouts to it), so the tables always print")
+    parser.add_argument("--out-dir", metavar="DIR",
+                        help="a folder for the parts' whole log, the results as JSON and the profiler traces")
     parser.add_argument("--run-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_part:
-        run_part_here(args.run_part, args.device, args.tiny, args.speed_batch)
+        run_part_here(args.run_part, args.device, args.tiny, args.speed_batch, args.out_dir)
         return 0
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
     unknown = [n for n in names if n not in PARTS]
@@ -217,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda, but no CUDA device is visible; use --device cpu --tiny to try it on CPU")
+    if args.out_dir:
+        args.out_dir = os.path.abspath(args.out_dir)
+        os.makedirs(args.out_dir, exist_ok=True)
     args.deadline = time.monotonic() + (args.budget_s or float("inf"))
     print(f"gpu_check: {environment()}", flush=True)
     jobs = args.jobs or (4 if args.device == "cuda" else 1)
@@ -227,14 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = correctness_rows(outcomes, args.device)
     print_correctness(rows)
     print_speed(outcomes)
-    _write_outputs(outcomes, rows)
+    _write_outputs(outcomes, rows, args.out_dir)
     holding = sum(ok for _, _, ok, _ in rows)
     print(f"\ngpu: {holding}/{len(rows)} checks hold")
     return 0 if holding == len(rows) else 1
 
 
-def _write_outputs(outcomes: list[Outcome], rows: list) -> None:
-    out = os.environ.get("OUT")
+def _write_outputs(outcomes: list[Outcome], rows: list, out: str | None) -> None:
     if not out:
         return
     with open(os.path.join(out, "gpu_check.log"), "w") as f:

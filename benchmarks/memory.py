@@ -1,10 +1,10 @@
 """Peak resident memory per rank for a ~100M-parameter GPT under ddp, zero1, zero2 and fsdp.
 
-    python benchmarks/memory.py                      # all four strategies, 2 ranks, prints a table
-    python benchmarks/memory.py --preset 30m --steps 3
-    python benchmarks/memory.py --preset 10m --batch-size 4 --training-only    # issue 27's case (10.8M)
-    python benchmarks/memory.py --preset 10m --batch-size 4 --training-only --precision bf16-mixed
-    python benchmarks/memory.py --preset 10m --batch-size 4 --training-only --strategies fsdp \
+    python -m benchmarks.memory                      # all four strategies, 2 ranks, prints a table
+    python -m benchmarks.memory --preset 30m --steps 3
+    python -m benchmarks.memory --preset 10m --batch-size 4 --training-only    # issue 27's case (10.8M)
+    python -m benchmarks.memory --preset 10m --batch-size 4 --training-only --precision bf16-mixed
+    python -m benchmarks.memory --preset 10m --batch-size 4 --training-only --strategies fsdp \
         --activation-checkpointing
 
 Each strategy runs as its own 2-rank job (started by the Trainer). After set-up, each rank resets its kernel
@@ -39,14 +39,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from torch.utils.data import DataLoader
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from callbacks import Callback  # noqa: E402
-from examples.gpt import GPT, GPT_PRESETS, GPTConfig, GPTModule, TextWindows  # noqa: E402
-from trainer import Trainer, seed_everything  # noqa: E402
+from callbacks import Callback
+from examples.gpt import GPT, GPT_PRESETS, GPTConfig, GPTModule, TextWindows
+from trainer import Trainer, seed_everything
 
 MiB = 2**20
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
@@ -247,7 +245,7 @@ def main() -> None:
           f" {'full save: RSS rise':>19} {'file':>6}   (MiB; params, grads, optimizer state by the engine)")
     checkpoint_rows = []
     for strategy in args.strategies.split(","):
-        command = [sys.executable, os.path.abspath(__file__), "--one", strategy, *case.argv()] + (
+        command = [sys.executable, "-m", "benchmarks.memory", "--one", strategy, *case.argv()] + (
             ["--training-only"] if args.training_only else [])
         # glibc raises its mmap threshold as large blocks are freed, after which freed multi-MiB buffers stay in
         # the heap and peak RSS counts memory the process no longer uses; a fixed threshold returns them.

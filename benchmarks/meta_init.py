@@ -1,7 +1,7 @@
 """Peak resident memory per rank while a ~1B-parameter model built on the meta device is materialized under fsdp.
 
-    python benchmarks/meta_init.py                       # a 1.1B Llama (HuggingFace transformers), 2 ranks
-    python benchmarks/meta_init.py --layers 4 --no-eager # smaller, quicker
+    python -m benchmarks.meta_init                       # a 1.1B Llama (HuggingFace transformers), 2 ranks
+    python -m benchmarks.meta_init --layers 4 --no-eager # smaller, quicker
 
 Each rank builds the model inside `FSDPStrategy.model_init_context()` (on the meta device, its construction
 recorded) and `setup_module` materializes it unit by unit (strategies/sharding/meta_init.py): the values of one
@@ -20,8 +20,6 @@ import os
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GiB = 2**30
 
@@ -94,8 +92,9 @@ def _launch(args: list[str], world_size: int) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517",
            "WORLD_SIZE": str(world_size)}
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
-    procs = [subprocess.Popen([sys.executable, __file__, *args], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                              text=True) for r in range(world_size)]
+    command = [sys.executable, "-m", "benchmarks.meta_init", *args]
+    procs = [subprocess.Popen(command, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+             for r in range(world_size)]
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"a rank failed: {[p.returncode for p in procs]}")

@@ -1,10 +1,10 @@
 """The framework's own host time on CPU: 48 tiny blocks, where compute is small and hooks, copies and collectives
 show. All variants of a table run in one run, interleaved step by step.
 
-    python benchmarks/overhead.py                      # both tables (~2 min on 2 busy cores)
-    python benchmarks/overhead.py --part one --rounds 7
-    python benchmarks/overhead.py --part two --variants torch-ddp,zero2
-    python benchmarks/overhead.py --part one --isolated   # each variant in a process of its own
+    python -m benchmarks.overhead                      # both tables (~2 min on 2 busy cores)
+    python -m benchmarks.overhead --part one --rounds 7
+    python -m benchmarks.overhead --part two --variants torch-ddp,zero2
+    python -m benchmarks.overhead --part one --isolated   # each variant in a process of its own
 
 Model: examples.gpt GPT with 48 Blocks of width 64 (4 heads, 64 tokens, vocabulary 256), batch 2, fp32,
 AdamW(foreach=True), one thread per process. A step is model(x), cross-entropy, backward, optimizer.step(),
@@ -43,16 +43,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from benchmarks.gpu.common import one_rank_collectives  # noqa: E402
-from examples.gpt import GPT, Block, GPTConfig  # noqa: E402
-from strategies import FSDPStrategy, get_strategy  # noqa: E402
-from strategies.sharding.collectives import ONE_RANK_COLLECTIVES  # noqa: E402
+from benchmarks.gpu.common import one_rank_collectives
+from examples.gpt import GPT, Block, GPTConfig
+from strategies import FSDPStrategy, get_strategy
+from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=48, n_head=4, n_embd=64)
 UNITS = CONFIG.n_layer + 1
@@ -337,7 +335,7 @@ def main() -> None:
     started = datetime.datetime.now(datetime.timezone.utc)
     print(f"{started:%Y-%m-%d %H:%M} UTC; {platform.platform()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; Python {platform.python_version()}, torch {torch.__version__}")
-    print("command: python " + " ".join(shlex.quote(a) for a in sys.argv))
+    print("command: python -m benchmarks.overhead " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     if args.part in ("one", "both"):
         part_one(args)
     if args.part in ("two", "both"):

@@ -1,6 +1,6 @@
 """What watching the engine's collectives costs, per collective (host time), without the noise of a training step.
 
-    python benchmarks/watch_cost.py            # ~1 min on 2 cores
+    python -m benchmarks.watch_cost            # ~1 min on 2 cores
 
 1. In one process: `observe.start` unwatched (what every collective pays in every run), a unit forward's report
    unwatched, and a whole watched call (start, issued, waiting, done) seen by the Trainer's StepTimer.
@@ -20,15 +20,13 @@ import sys
 import time
 from statistics import median
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from strategies import observe  # noqa: E402
-from strategies.sharding import collectives  # noqa: E402
-from trainer.observe.divergence import DivergenceCheck  # noqa: E402
-from trainer.observe.timing import StepTimer  # noqa: E402
+from strategies import observe
+from strategies.sharding import collectives
+from trainer.observe.divergence import DivergenceCheck
+from trainer.observe.timing import StepTimer
 
 CALLS = 200_000
 
@@ -93,7 +91,8 @@ def main() -> None:
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2"}
-    procs = [subprocess.Popen([sys.executable, __file__], env={**env, "RANK": str(r)}) for r in range(2)]
+    command = [sys.executable, "-m", "benchmarks.watch_cost"]
+    procs = [subprocess.Popen(command, env={**env, "RANK": str(r)}) for r in range(2)]
     if any(p.wait() != 0 for p in procs):
         raise SystemExit("the two-rank part failed")
 

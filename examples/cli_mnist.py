@@ -2,27 +2,21 @@
 examples/cli_mnist.yaml and dotted flags, and the run's resolved config is saved beside its logs and in every
 checkpoint.
 
-    python examples/cli_mnist.py fit --config examples/cli_mnist.yaml
-    python examples/cli_mnist.py fit --config examples/cli_mnist.yaml --trainer.devices 2 --trainer.strategy fsdp
-    python examples/cli_mnist.py fit --config examples/cli_mnist.yaml --model.lr 0.5 --data.batch_size 32
-    python examples/cli_mnist.py fit --config examples/cli_mnist.yaml --ckpt_path last   # resume, same config
-    python examples/cli_mnist.py test --config examples/cli_mnist.yaml --ckpt_path last
-    python examples/cli_mnist.py fit --help                                              # every argument
+    python -m examples.cli_mnist fit --config examples/cli_mnist.yaml
+    python -m examples.cli_mnist fit --config examples/cli_mnist.yaml --trainer.devices 2 --trainer.strategy fsdp
+    python -m examples.cli_mnist fit --config examples/cli_mnist.yaml --model.lr 0.5 --data.batch_size 32
+    python -m examples.cli_mnist fit --config examples/cli_mnist.yaml --ckpt_path last   # resume, same config
+    python -m examples.cli_mnist test --config examples/cli_mnist.yaml --ckpt_path last
+    python -m examples.cli_mnist fit --help                                              # every argument
 
 Precedence: defaults < config files in the order given < command line flags.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-if __package__ in (None, ""):  # run as a script: make the project importable without installing it
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from examples.mnist import Classifier, mnist_loaders  # noqa: E402
-from trainer import DataModule  # noqa: E402
-from trainer.cli import CLI  # noqa: E402
+from examples.mnist import Classifier, mnist_loaders
+from trainer import DataModule
+from trainer.cli import CLI
 
 
 class MNISTData(DataModule):

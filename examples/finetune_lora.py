@@ -1,6 +1,6 @@
 """Fine-tune a pretrained causal language model with LoRA adapters (HuggingFace peft) under fsdp.
 
-    python examples/finetune_lora.py --devices 2
+    python -m examples.finetune_lora --devices 2
 
 As people fine-tune, with nothing downloaded:
 1. A stand-in for a download from the Hub: a small Llama (transformers) is built from a config and saved with
@@ -25,23 +25,18 @@ import argparse
 import math
 import os
 import shutil
-import sys
 import time
 
+import peft
 import torch
 import torch.nn.functional as F
+import transformers
 from torch.utils.data import DataLoader
 
-if __package__ in (None, ""):  # run as a script: make the project importable without installing it
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import peft  # noqa: E402
-import transformers  # noqa: E402
-
-from examples.gpt import PrintValLoss, build_datasets  # noqa: E402
-from strategies import FSDPStrategy  # noqa: E402
-from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
-from trainer.checkpoint import load_safetensors  # noqa: E402
+from examples.gpt import PrintValLoss, build_datasets
+from strategies import FSDPStrategy
+from trainer import Trainer, TrainModule, seed_everything
+from trainer.checkpoint import load_safetensors
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # every linear layer
 

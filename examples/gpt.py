@@ -2,8 +2,8 @@
 
 The README quickstart: it needs no download, so it runs anywhere Python does.
 
-    python examples/gpt.py --devices 2                    # two CPU ranks, DDP, a few minutes
-    python examples/gpt.py --devices 2 --strategy fsdp    # the same run, fully sharded
+    python -m examples.gpt --devices 2                    # two CPU ranks, DDP, a few minutes
+    python -m examples.gpt --devices 2 --strategy fsdp    # the same run, fully sharded
     tensorboard --logdir runs
 
 The model, data and module are importable (`GPTConfig`, `GPT`, `GPTModule`, `build_datasets`,
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -25,12 +24,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-if __package__ in (None, ""):  # run as a script: make the project importable without installing it
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from callbacks import Callback, LearningRateMonitor, ModelCheckpoint  # noqa: E402
-from strategies import FSDPStrategy  # noqa: E402
-from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
+from callbacks import Callback, LearningRateMonitor, ModelCheckpoint
+from strategies import FSDPStrategy
+from trainer import Trainer, TrainModule, seed_everything
 
 # ----------------------------------------------------------------------------------------------- data
 

@@ -1,8 +1,8 @@
 """The PyTorch FSDP tutorial's MNIST recipe, where switching strategy is one flag.
 
-    python examples/mnist.py --devices 2 --strategy ddp
-    python examples/mnist.py --devices 2 --strategy fsdp
-    python examples/mnist.py --devices 2 --strategy fsdp --auto-wrap-min-params 20000
+    python -m examples.mnist --devices 2 --strategy ddp
+    python -m examples.mnist --devices 2 --strategy fsdp
+    python -m examples.mnist --devices 2 --strategy fsdp --auto-wrap-min-params 20000
 
 Each run prints its training time and the strategy's per-rank memory report, which makes the tutorial's
 comparison (DDP, FSDP as one unit, FSDP with a size-based auto-wrap policy) three commands.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -23,11 +22,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 
-if __package__ in (None, ""):  # run as a script: make the project importable without installing it
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from callbacks import LearningRateMonitor  # noqa: E402
-from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
+from callbacks import LearningRateMonitor
+from trainer import Trainer, TrainModule, seed_everything
 
 
 class Net(nn.Module):

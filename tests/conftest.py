@@ -1,11 +1,17 @@
 """Shared fixtures: `rank_pool(world_size)` is the session's pool of real ranks on gloo (tests/ranks.py)."""
 
+import os
 import signal
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.ranks import RankPool
+
+# The processes the tests start (rank programs in tests/scripts under torchrun, srun's variables or the Trainer's own
+# launcher) compute with one thread each, so that their arithmetic is the same under any launcher: torchrun sets
+# one thread only for several ranks per node, the Trainer's launcher the cores shared by its ranks.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Some tests send SIGINT as Ctrl-C would. A test run started as a background job of a script inherits SIGINT
 # ignored, and so would every process it starts (Python then installs no KeyboardInterrupt handler): give the

@@ -18,13 +18,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from examples import gpt, mnist
+
 pytestmark = pytest.mark.distributed  # the tests here start processes (nearly all of them)
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-mnist = importlib.import_module("examples.mnist")
-gpt = importlib.import_module("examples.gpt")
 
 
 def write_idx(path: Path, data: torch.Tensor) -> None:
@@ -54,15 +52,15 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run_example(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_example(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                         "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     output = f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
-    assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{output}"
+    assert proc.returncode == 0, f"{module} exited with {proc.returncode}\n{output}"
     return proc
 
 
@@ -165,7 +163,7 @@ def test_gpt_built_on_meta_and_reset_layer_by_layer_equals_eager() -> None:
 
 def test_gpt_quickstart_command_runs_tiny_on_two_ranks(tmp_path: Path) -> None:
     """The README quickstart as the user types it (a script that starts its second rank), at a tiny size."""
-    proc = run_example("gpt.py", "--devices", "2", "--max-steps", "4", "--val-check-interval", "2",
+    proc = run_example("examples.gpt", "--devices", "2", "--max-steps", "4", "--val-check-interval", "2",
                        "--batch-size", "8", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
                        "--n-embd", "32", "--data-bytes", "100000", "--val-windows", "17",  # 2 batches and 1
                        "--sample-tokens", "8", "--root-dir", str(tmp_path / "runs"))

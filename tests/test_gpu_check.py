@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py, the one command that checks the CUDA/nccl path. Its CUDA run needs a GPU (skipped
 here without one); on CPU the same code runs at tiny sizes, so a change that breaks the check shows up in CI and
-not first on a GPU lent for a few minutes."""
+not first on a GPU."""
 
 from __future__ import annotations
 
@@ -15,14 +15,12 @@ import torch
 pytestmark = pytest.mark.distributed  # the tests here start processes (nearly all of them)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECK = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 
 
 def run_check(*args: str, timeout: int) -> tuple[int, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("OUT", None)
-    done = subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -51,7 +49,6 @@ def test_every_gpu_check_holds_on_this_gpu():
 def test_the_speed_part_counts_only_the_waits_inside_its_steps():
     """torch 2.11's profiler synchronizes once more when it stops (seen on an H100, 2026-11-27: plain torch and
     fsdp each showed one wait per 3 steps, both after the last step): waits are counted by time, inside the steps."""
-    sys.path.insert(0, ROOT)
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from benchmarks.gpu.speed import STEP_MARK, waits_inside_steps

@@ -6,23 +6,20 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from examples.gpt import GPT, Block, GPTConfig  # noqa: E402
-from strategies.sharding.collectives import ONE_RANK_COLLECTIVES  # noqa: E402
-from trainer import Trainer, TrainModule  # noqa: E402
+from examples.gpt import GPT, Block, GPTConfig
+from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
+from trainer import Trainer, TrainModule
 
 RESULT_PREFIX = "@gpu-check "
 
@@ -32,6 +29,7 @@ class Settings:
     device: str  # "cuda" or "cpu" (the same code, to try it without a GPU)
     tiny: bool  # small sizes, for a CPU run in seconds
     speed_batch: int = 8  # the speed part's batch of GPT-2 sequences
+    out_dir: str | None = None  # where the profiler traces are written (gpu_check.py --out-dir), if anywhere
 
     @property
     def torch_device(self) -> torch.device:

@@ -174,7 +174,7 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 def profile_steps(name: str, step: Step, settings: Settings, steps: int = 3) -> None:
     """Report the host's busiest operations, per step, and its waits for the device inside the steps; the trace
-    goes to $OUT."""
+    goes to --out-dir."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if settings.device != "cuda":
@@ -194,9 +194,8 @@ def profile_steps(name: str, step: Step, settings: Settings, steps: int = 3) -> 
         stalls = sum(waits.values())
         check("fsdp, many-GPU path: the host never waits for the GPU inside a step", stalls == 0,
               f"{stalls:g} synchronizations or blocking copies per step")
-    out = os.environ.get("OUT")
-    if out:
-        prof.export_chrome_trace(os.path.join(out, f"speed_{name.replace('@', '_')}.json"))
+    if settings.out_dir:
+        prof.export_chrome_trace(os.path.join(settings.out_dir, f"speed_{name.replace('@', '_')}.json"))
 
 
 STEP_MARK = "shardtrain_profiled_step"

@@ -54,9 +54,9 @@ def _trace(settings: Settings, variant: str, config: GPTConfig, batch: tuple) ->
     path = os.path.join(folder, f"trace_{variant}.json")
     prof.export_chrome_trace(path)
     summary = summarize(path)
-    out = os.environ.get("OUT")
-    if out:
-        with open(path, "rb") as src, gzip.open(os.path.join(out, f"trace_{variant}.json.gz"), "wb") as dst:
+    if settings.out_dir:
+        kept = os.path.join(settings.out_dir, f"trace_{variant}.json.gz")
+        with open(path, "rb") as src, gzip.open(kept, "wb") as dst:
             shutil.copyfileobj(src, dst)
     shutil.rmtree(folder, ignore_errors=True)
     report("trace", variant=variant, **summary)

@@ -6,14 +6,10 @@ python tests/scripts/cli_regression.py fit --config tests/scripts/cli_regression
 """
 
 import os
-import sys
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 if os.environ.get("CLI_BACKEND") == "lightning":
     from lightning.pytorch import LightningDataModule as DataModule

@@ -14,22 +14,19 @@ DIR/starts.log (per start: world size, global step and checkpoint) and DIR/final
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import argparse  # noqa: E402
-import signal  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from callbacks import Callback, ModelCheckpoint  # noqa: E402
-from strategies import get_strategy  # noqa: E402
-from strategies.checkpoint import format as ckpt_format  # noqa: E402
-from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
+from callbacks import Callback, ModelCheckpoint
+from strategies import get_strategy
+from strategies.checkpoint import format as ckpt_format
+from trainer import Trainer, TrainModule, seed_everything
 
 SAMPLES, BATCH, GLOBAL_BATCH, STEPS = 96, 2, 16, 12  # 6 steps an epoch: 2 epochs
 

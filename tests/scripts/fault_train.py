@@ -16,22 +16,19 @@ DIR/starts.log (per start: the global step and checkpoint training started from)
 checkpoint at the end). Under torchrun the environment is read from the variables torchrun sets.
 """
 
+import argparse
 import os
+import signal
+import time
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # the same arithmetic under any launcher
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import argparse  # noqa: E402
-import signal  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from callbacks import Callback, ModelCheckpoint  # noqa: E402
-from strategies.checkpoint import format as ckpt_format  # noqa: E402
-from trainer import Trainer, TrainModule, seed_everything  # noqa: E402
+from callbacks import Callback, ModelCheckpoint
+from strategies.checkpoint import format as ckpt_format
+from trainer import Trainer, TrainModule, seed_everything
 
 
 class Net(TrainModule):

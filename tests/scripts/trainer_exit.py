@@ -7,18 +7,15 @@ active exception") when a worker thread releases a finished collective's tensors
 python tests/scripts/trainer_exit.py --root DIR
 """
 
+import argparse
+import atexit
 import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-import argparse  # noqa: E402
-import atexit  # noqa: E402
-
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from strategies import FSDPStrategy  # noqa: E402
-from trainer import Trainer, TrainModule  # noqa: E402
+from strategies import FSDPStrategy
+from trainer import Trainer, TrainModule
 
 
 def gloo_threads() -> int:

@@ -4,16 +4,13 @@ ddp, then each rank prints where it was placed and a checksum of its weights (eq
 python tests/scripts/trainer_ranks.py --devices N [--num-nodes M] --root DIR
 """
 
-import os
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import argparse
 
-import argparse  # noqa: E402
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from trainer import Trainer, TrainModule  # noqa: E402
+from trainer import Trainer, TrainModule
 
 
 class Net(TrainModule):
