@@ -73,10 +73,28 @@ HSDP_GROUP = 2  # ranks that shard among themselves in the hsdp variants
 # what watches the engine's collectives (trainer/observe/timing.py, trainer/observe/divergence.py)
 WATCHED = ("+timed", "+checked")
 WATCHABLE = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
-COUNTERPART = {"ddp": "torch-ddp", "zero1": "torch-zero", "zero2": "torch-ddp", "fsdp": "torch-fsdp",
-               "hsdp": "torch-hsdp", "fsdp+compile": "torch-fsdp+compile"}
-AVERAGING = ("torch-ddp", "torch-zero", "torch-fsdp", "torch-hsdp", "ddp", "zero1", "zero2", "fsdp", "hsdp",
-             "ddp+compile", "fsdp+compile", "torch-fsdp+compile")
+COUNTERPART = {
+    "ddp": "torch-ddp",
+    "zero1": "torch-zero",
+    "zero2": "torch-ddp",
+    "fsdp": "torch-fsdp",
+    "hsdp": "torch-hsdp",
+    "fsdp+compile": "torch-fsdp+compile",
+}
+AVERAGING = (
+    "torch-ddp",
+    "torch-zero",
+    "torch-fsdp",
+    "torch-hsdp",
+    "ddp",
+    "zero1",
+    "zero2",
+    "fsdp",
+    "hsdp",
+    "ddp+compile",
+    "fsdp+compile",
+    "torch-fsdp+compile",
+)
 
 
 def theory_bytes(variant: str, params: int, world: int) -> float:
@@ -86,8 +104,15 @@ def theory_bytes(variant: str, params: int, world: int) -> float:
     for suffix in ("+compile", *WATCHED):
         variant = variant.removesuffix(suffix)
     kind = {"torch-ddp": "ddp", "torch-zero": "zero1", "torch-fsdp": "fsdp", "torch-hsdp": "hsdp"}.get(variant, variant)
-    return {"ddp": 16 * p, "zero1": 8 * p + 8 * p / n, "zero2": 4 * p + 12 * p / n, "fsdp": 16 * p / n,
-            "hsdp": 16 * p / HSDP_GROUP, "floor": 16 * p, "floor-solo": 16 * p}[kind]
+    return {
+        "ddp": 16 * p,
+        "zero1": 8 * p + 8 * p / n,
+        "zero2": 4 * p + 12 * p / n,
+        "fsdp": 16 * p / n,
+        "hsdp": 16 * p / HSDP_GROUP,
+        "floor": 16 * p,
+        "floor-solo": 16 * p,
+    }[kind]
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -166,11 +191,13 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
     from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
 
     compile_ = {Block} if compiled else None
-    strategy = {"ddp": lambda: DDPStrategy(compile=compile_),
-                "zero1": lambda: ZeroStrategy(stage=1, compile=compile_),
-                "zero2": lambda: ZeroStrategy(stage=2, compile=compile_),
-                "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, compile=compile_),
-                "hsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=HSDP_GROUP)}[name]()
+    strategy = {
+        "ddp": lambda: DDPStrategy(compile=compile_),
+        "zero1": lambda: ZeroStrategy(stage=1, compile=compile_),
+        "zero2": lambda: ZeroStrategy(stage=2, compile=compile_),
+        "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, compile=compile_),
+        "hsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=HSDP_GROUP),
+    }[name]()
     model = strategy.setup_module(model)
     opt = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
     return _plain_step(model, opt), strategy.engine, strategy.teardown
@@ -250,14 +277,15 @@ def worker(args) -> None:
     if any(v.startswith("torch-fsdp") for v in variants):
         mesh["torch-fsdp"] = init_device_mesh("cpu", (world,))
     if "torch-hsdp" in variants:  # fully_shard on a 2-D mesh: replicate across groups, shard within
-        mesh["torch-hsdp"] = init_device_mesh("cpu", (world // HSDP_GROUP, HSDP_GROUP),
-                                              mesh_dim_names=("replicate", "shard"))
+        mesh["torch-hsdp"] = init_device_mesh(
+            "cpu", (world // HSDP_GROUP, HSDP_GROUP), mesh_dim_names=("replicate", "shard")
+        )
     config = model_config(args)
     batches = batches_for_rank(config, args, rank, world)
     process_rss = rss_bytes("VmRSS:")
     results = {v: {"times": [], "cpu": []} for v in variants}
     for r in range(args.rounds):
-        for name in variants[r % len(variants):] + variants[: r % len(variants)]:
+        for name in variants[r % len(variants) :] + variants[: r % len(variants)]:
             out = run_variant(name, config, batches, args, mesh, measure_memory=r == 0)
             results[name]["times"] += out.pop("times")
             results[name]["cpu"] += out.pop("cpu")
@@ -265,14 +293,19 @@ def worker(args) -> None:
                 results[name].update(out)
             if rank == 0 and not args.quiet:
                 so_far = median(results[name]["times"])
-                print(f"  [{args.preset} round {r + 1}/{args.rounds}] {name:10} median so far {so_far:.3f} s",
-                      flush=True)
+                print(
+                    f"  [{args.preset} round {r + 1}/{args.rounds}] {name:10} median so far {so_far:.3f} s", flush=True
+                )
     per_rank = {v: {k: results[v].get(k) for k in ("peak_rss", "setup_rss", "loss")} for v in variants}
     gathered = [None] * world
     dist.all_gather_object(gathered, {"process_rss": process_rss, "variants": per_rank})
     if rank == 0:
-        summary = {"params": GPT.count_parameters(config), "world": world,
-                   "process_rss": [g["process_rss"] for g in gathered], "variants": {}}
+        summary = {
+            "params": GPT.count_parameters(config),
+            "world": world,
+            "process_rss": [g["process_rss"] for g in gathered],
+            "variants": {},
+        }
         for v in variants:
             losses = [g["variants"][v]["loss"] for g in gathered if g["variants"][v]["loss"] is not None]
             summary["variants"][v] = {
@@ -315,29 +348,64 @@ def run_preset(args, preset: str, variants: list[str]) -> dict:
         for v in variants:
             row = launch(args, preset, [v], 1, 1, 1, quiet=True, env=env)["variants"][v]
             summary["variants"][v]["peak_rss"] = row["peak_rss"]
-            print(f"  [{preset} memory, new processes] {v:10} peak RSS "
-                  f"{' / '.join(f'{b / MiB:.0f}' for b in row['peak_rss'])} MiB", flush=True)
+            print(
+                f"  [{preset} memory, new processes] {v:10} peak RSS "
+                f"{' / '.join(f'{b / MiB:.0f}' for b in row['peak_rss'])} MiB",
+                flush=True,
+            )
     return summary
 
 
-def launch(args, preset: str, variants: list[str], rounds: int, warmup: int, steps: int, quiet: bool,
-           env: dict | None = None) -> dict:
+def launch(
+    args, preset: str, variants: list[str], rounds: int, warmup: int, steps: int, quiet: bool, env: dict | None = None
+) -> dict:
     """One 2-rank job (this script with --worker) that runs `variants`; returns rank 0's summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        command = [sys.executable, "-m", "benchmarks.compare", "--worker", "--out", out, "--preset", preset,
-                   "--variants", ",".join(variants), "--rounds", str(rounds), "--warmup", str(warmup),
-                   "--steps", str(steps), "--batch-size", str(args.batch_size),
-                   "--block-size", str(args.block_size), "--lr", str(args.lr), "--seed", str(args.seed)]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.compare",
+            "--worker",
+            "--out",
+            out,
+            "--preset",
+            preset,
+            "--variants",
+            ",".join(variants),
+            "--rounds",
+            str(rounds),
+            "--warmup",
+            str(warmup),
+            "--steps",
+            str(steps),
+            "--batch-size",
+            str(args.batch_size),
+            "--block-size",
+            str(args.block_size),
+            "--lr",
+            str(args.lr),
+            "--seed",
+            str(args.seed),
+        ]
         command += ["--quiet"] * quiet
-        env = {**(env or {}), **os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks)}
+        env = {
+            **(env or {}),
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(args.ranks),
+        }
         procs, logs = [], []
         for rank in range(args.ranks):
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
             stdout = None if rank == 0 else log
-            procs.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                          stdout=stdout, stderr=log))
+            procs.append(
+                subprocess.Popen(
+                    command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=stdout, stderr=log
+                )
+            )
             logs.append(log)
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):  # one rank failed: the others would wait forever
@@ -365,35 +433,55 @@ def report(preset: str, summary: dict, args) -> str:
     floor_name = "floor" if "floor" in med else "floor-solo"
     floor = med.get(floor_name)
     reference = rows.get("torch-ddp", rows.get("ddp", {})).get("loss")
-    lines = [f"### {preset}: {p / 1e6:.1f}M parameters, batch {args.batch_size} x {args.block_size} tokens per rank, "
-             f"{world} ranks, {len(next(iter(rows.values()))['times'])} timed steps per variant",
-             "",
-             "| variant | median step (s) | fastest (s) | first step (s) | vs torch | vs floor | CPU s per step | "
-             "peak RSS per rank (MiB) | model-state theory (MiB) | final loss |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"### {preset}: {p / 1e6:.1f}M parameters, batch {args.batch_size} x {args.block_size} tokens per rank, "
+        f"{world} ranks, {len(next(iter(rows.values()))['times'])} timed steps per variant",
+        "",
+        "| variant | median step (s) | fastest (s) | first step (s) | vs torch | vs floor | CPU s per step | "
+        "peak RSS per rank (MiB) | model-state theory (MiB) | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for v, r in rows.items():
         other = next((v.removesuffix(w) for w in WATCHED if v.endswith(w)), COUNTERPART.get(v))
         vs_torch = f"{med[v] / med[other]:.2f} x {other}" if other in med else ""
         vs_floor = f"{med[v] / floor:.2f}" if floor and v != floor_name else ""
         peak = " / ".join(f"{b / MiB:.0f}" for b in r["peak_rss"] if b is not None)
         first = f"{r['first']:.1f}" if r.get("first") is not None else ""
-        cells = [v, f"{med[v]:.3f}", f"{min(r['times']):.3f}", first, vs_torch, vs_floor, f"{median(r['cpu']):.2f}",
-                 peak,
-                 f"{theory_bytes(v, p, world) / MiB:.0f}", _loss_cell(v, r["loss"], reference)]
+        cells = [
+            v,
+            f"{med[v]:.3f}",
+            f"{min(r['times']):.3f}",
+            first,
+            vs_torch,
+            vs_floor,
+            f"{median(r['cpu']):.2f}",
+            peak,
+            f"{theory_bytes(v, p, world) / MiB:.0f}",
+            _loss_cell(v, r["loss"], reference),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    where = ("in new processes per variant, MALLOC_MMAP_THRESHOLD_=1MiB" if args.memory == "fresh"
-             else "in round 1 of the timing processes")
-    lines.append(f"process without a model (torch, gloo, batches): "
-                 f"{' / '.join(f'{b / MiB:.0f}' for b in summary['process_rss'])} MiB per rank; peak RSS measured "
-                 f"{where}, "
-                 f"after set-up. (=) final loss within 1e-4 of torch-ddp's. CPU s per step: rank 0's process CPU "
-                 f"time (compute thread and gloo's threads), median; wall time above CPU time is waiting.")
+    where = (
+        "in new processes per variant, MALLOC_MMAP_THRESHOLD_=1MiB"
+        if args.memory == "fresh"
+        else "in round 1 of the timing processes"
+    )
+    lines.append(
+        f"process without a model (torch, gloo, batches): "
+        f"{' / '.join(f'{b / MiB:.0f}' for b in summary['process_rss'])} MiB per rank; peak RSS measured "
+        f"{where}, "
+        f"after set-up. (=) final loss within 1e-4 of torch-ddp's. CPU s per step: rank 0's process CPU "
+        f"time (compute thread and gloo's threads), median; wall time above CPU time is waiting."
+    )
     comm = {v: r["comm"] for v, r in rows.items() if r.get("comm")}
     if comm:
-        lines.append("engine collectives per step, rank 0 (calls, MiB of fp32 elements sent): " + "; ".join(
-            f"{v}: " + ", ".join(f"{k} {c:.0f}x {e * 4 / MiB:.0f}" for k, (c, e) in sorted(kinds.items()))
-            for v, kinds in comm.items()))
+        lines.append(
+            "engine collectives per step, rank 0 (calls, MiB of fp32 elements sent): "
+            + "; ".join(
+                f"{v}: " + ", ".join(f"{k} {c:.0f}x {e * 4 / MiB:.0f}" for k, (c, e) in sorted(kinds.items()))
+                for v, kinds in comm.items()
+            )
+        )
         from strategies.sharding.collectives import describe
 
         lines.append(f"engine collectives on gloo: {describe('gloo')}")
@@ -417,8 +505,10 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{platform.platform()}, {cpu}, {os.cpu_count()} CPUs, {rss_total_gib():.0f} GiB RAM; Python "
-            f"{platform.python_version()}, torch {torch.__version__}; load average at start {load}")
+    return (
+        f"{platform.platform()}, {cpu}, {os.cpu_count()} CPUs, {rss_total_gib():.0f} GiB RAM; Python "
+        f"{platform.python_version()}, torch {torch.__version__}; load average at start {load}"
+    )
 
 
 def rss_total_gib() -> float:
@@ -429,16 +519,21 @@ def rss_total_gib() -> float:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="both", choices=["both", "30m", "100m"])
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS + EXTRA_VARIANTS)}")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS + EXTRA_VARIANTS)}"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="passes over all variants (alternating)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant and round")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--memory", default="fresh", choices=["fresh", "inline"],
-                        help="fresh: peak RSS of each variant in its own new pair of processes (1 warm-up + 1 step); "
-                             "inline: from round 1 of the timing processes (no extra time, a few hundred MiB noisier)")
+    parser.add_argument(
+        "--memory",
+        default="fresh",
+        choices=["fresh", "inline"],
+        help="fresh: peak RSS of each variant in its own new pair of processes (1 warm-up + 1 step); "
+        "inline: from round 1 of the timing processes (no extra time, a few hundred MiB noisier)",
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ranks", type=int, default=2)
@@ -469,8 +564,11 @@ def main(argv=None) -> None:
     print(f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}")
     print(f"machine: {machine()}")
     print(f"command: python -m benchmarks.compare {shlex.join(sys.argv[1:])}".rstrip())
-    print(f"each variant: {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) AdamW steps, fp32, "
-          f"{args.ranks} ranks on gloo, 1 thread per rank\n", flush=True)
+    print(
+        f"each variant: {args.rounds} rounds x ({args.warmup} warm-up + {args.steps} timed) AdamW steps, fp32, "
+        f"{args.ranks} ranks on gloo, 1 thread per rank\n",
+        flush=True,
+    )
     started, raw = time.perf_counter(), {}
     for preset in presets:
         raw[preset] = summary = run_preset(args, preset, variants)

@@ -20,9 +20,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from examples.gpt import GPT, GPT_PRESETS, Block
 
-BLAS_KERNELS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
-                "aten::_scaled_dot_product_flash_attention_for_cpu",
-                "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+BLAS_KERNELS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+}
 
 
 def new_model(preset: str, compile_mode: str | None = None) -> GPT:
@@ -53,6 +58,7 @@ def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor):
     def run() -> None:
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         model.zero_grad(set_to_none=False)
+
     return run
 
 
@@ -64,6 +70,7 @@ def split_of_eager_step(preset: str, x, y) -> dict[str, float]:
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         opt.step()
         opt.zero_grad()
+
     timed(step, 1, 1)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -72,8 +79,12 @@ def split_of_eager_step(preset: str, x, y) -> dict[str, float]:
     events = prof.key_averages()
     blas = sum(e.self_cpu_time_total for e in events if e.key in BLAS_KERNELS) / 1e6
     adamw = sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step#")) / 1e6
-    return {"step": total, "matrix products and attention": blas, "AdamW step (foreach)": adamw,
-            "everything else": total - blas - adamw}
+    return {
+        "step": total,
+        "matrix products and attention": blas,
+        "AdamW step (foreach)": adamw,
+        "everything else": total - blas - adamw,
+    }
 
 
 def main() -> None:

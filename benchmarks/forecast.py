@@ -52,8 +52,21 @@ def cpu_check(rounds: int) -> None:
     plan = plan_memory(model, world_size=2, batch_size=2, seq_len=128, wrap_policy={Block}, hardware=profile)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "compare.json")
-        command = [sys.executable, "-m", "benchmarks.compare", "--preset", "30m",
-                   "--variants", ",".join(CPU_VARIANTS), "--rounds", str(rounds), "--memory", "inline", "--json", out]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.compare",
+            "--preset",
+            "30m",
+            "--variants",
+            ",".join(CPU_VARIANTS),
+            "--rounds",
+            str(rounds),
+            "--memory",
+            "inline",
+            "--json",
+            out,
+        ]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             results = json.load(f)["results"]["30m"]["variants"]
@@ -72,30 +85,49 @@ def llama_plan(world_size: int, nodes: int, schedule: str):
     with torch.device("meta"):
         model = llama3_8b()
     hardware = with_changes(HARDWARE["h100"], name="h100 (HBM2e 2.4 TB/s)", memory_bandwidth=0.8 * 2.4e12)
-    return plan_memory(model, world_size=world_size, nodes=nodes, batch_size=2, seq_len=8192,
-                       precision="bf16-mixed", param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                       wrap_policy={Block}, activation_checkpointing={Block}, checkpoint_mode="selective",
-                       hardware=hardware, schedule=schedule, device_memory="96GB")
+    return plan_memory(
+        model,
+        world_size=world_size,
+        nodes=nodes,
+        batch_size=2,
+        seq_len=8192,
+        precision="bf16-mixed",
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        wrap_policy={Block},
+        activation_checkpointing={Block},
+        checkpoint_mode="selective",
+        hardware=hardware,
+        schedule=schedule,
+        device_memory="96GB",
+    )
 
 
 def paper_check() -> None:
-    print("\n| schedule | GPUs | forecast TPS/GPU | torchtitan TPS/GPU | forecast / torchtitan | MFU | "
-          "exposed comm (s) |")
+    print(
+        "\n| schedule | GPUs | forecast TPS/GPU | torchtitan TPS/GPU | forecast / torchtitan | MFU | exposed comm (s) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     found = {}
     for schedule in ("fully_shard", "engine"):
         for gpus in (8, 128):
             f = llama_plan(gpus, gpus // 8, schedule).forecasts["fsdp"]
             found[schedule, gpus] = f.tokens_per_s_per_rank
-            print(f"| {schedule} | {gpus} | {f.tokens_per_s_per_rank:,.0f} | {TORCHTITAN_TPS[gpus]:,} | "
-                  f"{f.tokens_per_s_per_rank / TORCHTITAN_TPS[gpus]:.2f} | {f.mfu:.1%} | {f.exposed_comm_s:.3f} |")
+            print(
+                f"| {schedule} | {gpus} | {f.tokens_per_s_per_rank:,.0f} | {TORCHTITAN_TPS[gpus]:,} | "
+                f"{f.tokens_per_s_per_rank / TORCHTITAN_TPS[gpus]:.2f} | {f.mfu:.1%} | {f.exposed_comm_s:.3f} |"
+            )
     theirs = TORCHTITAN_TPS[128] / TORCHTITAN_TPS[8]
     for schedule in ("fully_shard", "engine"):
         ours = found[schedule, 128] / found[schedule, 8]
-        print(f"\n128/8 GPUs, {schedule}: forecast {ours:.3f}, torchtitan {theirs:.3f} "
-              f"({100 * (ours - theirs):+.1f} points)")
-    print("\n| GPUs (nodes of 8) | strategy | step (s) | tokens/s per GPU | MFU | exposed comm (s) | "
-          "planned memory per GPU |")
+        print(
+            f"\n128/8 GPUs, {schedule}: forecast {ours:.3f}, torchtitan {theirs:.3f} "
+            f"({100 * (ours - theirs):+.1f} points)"
+        )
+    print(
+        "\n| GPUs (nodes of 8) | strategy | step (s) | tokens/s per GPU | MFU | exposed comm (s) | "
+        "planned memory per GPU |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|")
     for gpus in (8, 64, 128, 1024):
         plan = llama_plan(gpus, gpus // 8, "engine")
@@ -103,8 +135,10 @@ def paper_check() -> None:
             if name not in plan.forecasts:
                 continue
             f, row = plan.forecasts[name], plan.strategies[name]
-            print(f"| {gpus} | {name} | {f.step_s:.2f} | {f.tokens_per_s_per_rank:,.0f} | {f.mfu:.1%} | "
-                  f"{f.exposed_comm_s:.2f} | {row.total / 2**30:.1f} GiB |")
+            print(
+                f"| {gpus} | {name} | {f.step_s:.2f} | {f.tokens_per_s_per_rank:,.0f} | {f.mfu:.1%} | "
+                f"{f.exposed_comm_s:.2f} | {row.total / 2**30:.1f} GiB |"
+            )
 
 
 class OneLayer(torch.nn.Module):
@@ -136,8 +170,15 @@ def layer_check() -> None:
 
     with torch.device("meta"):
         meta = OneLayer()
-    forecast = plan_memory(meta, batch_size=2, seq_len=8192, precision="bf16-mixed", hardware="h100",
-                           activation_checkpointing={OneLayer}, checkpoint_mode="selective").forecasts["ddp"]
+    forecast = plan_memory(
+        meta,
+        batch_size=2,
+        seq_len=8192,
+        precision="bf16-mixed",
+        hardware="h100",
+        activation_checkpointing={OneLayer},
+        checkpoint_mode="selective",
+    ).forecasts["ddp"]
     model = OneLayer().cuda()
     x = torch.randn(2, 8192, 4096, device="cuda", requires_grad=True)
 
@@ -157,18 +198,25 @@ def layer_check() -> None:
     end.record()
     torch.cuda.synchronize()
     measured = start.elapsed_time(end) / 10 / 1e3
-    print(f"\nlayer on {torch.cuda.get_device_name()}: measured {measured * 1e3:.1f} ms, forecast on h100 "
-          f"{forecast.compute_s * 1e3:.1f} ms, forecast / measured {forecast.compute_s / measured:.2f}")
+    print(
+        f"\nlayer on {torch.cuda.get_device_name()}: measured {measured * 1e3:.1f} ms, forecast on h100 "
+        f"{forecast.compute_s * 1e3:.1f} ms, forecast / measured {forecast.compute_s / measured:.2f}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["cpu", "paper", "layer"], help="layer: on a GPU, one 8B decoder layer "
-                        "measured against its forecast (not run by default)")
+    parser.add_argument(
+        "--only",
+        choices=["cpu", "paper", "layer"],
+        help="layer: on a GPU, one 8B decoder layer measured against its forecast (not run by default)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="compare.py's rounds for the measured steps")
     args = parser.parse_args()
-    print(f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; machine: {platform.machine()}, "
-          f"{os.cpu_count()} CPUs; torch {torch.__version__}")
+    print(
+        f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}; machine: {platform.machine()}, "
+        f"{os.cpu_count()} CPUs; torch {torch.__version__}"
+    )
     print(f"command: python -m benchmarks.forecast {' '.join(sys.argv[1:])}".rstrip())
     if args.only in (None, "cpu"):
         cpu_check(args.rounds)

@@ -99,15 +99,16 @@ def launch(name: str, args: argparse.Namespace) -> Outcome:
         print(f"  part {name}: skipped, --budget-s spent", flush=True)
         return Outcome(name, None, 0.0, log="skipped: --budget-s spent")
     try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                              timeout=timeout, cwd=ROOT)
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout, cwd=ROOT
+        )
         returncode, log = done.returncode, done.stdout
     except subprocess.TimeoutExpired as expired:
         returncode, log = None, _text(expired.stdout)
     outcome = Outcome(name, returncode, time.monotonic() - started, log=log)
     for line in log.splitlines():
         if line.startswith(RESULT_PREFIX):
-            outcome.rows.append(json.loads(line[len(RESULT_PREFIX):]))
+            outcome.rows.append(json.loads(line[len(RESULT_PREFIX) :]))
     status = "timed out" if returncode is None else f"exit {returncode}"
     print(f"  part {name}: {status} after {outcome.seconds:.0f} s", flush=True)
     return outcome
@@ -152,16 +153,22 @@ def print_speed(outcomes: list[Outcome]) -> None:
     gpt2 = [r for r in rows if r["table"] == "gpt2"]
     if gpt2:
         base = {r["variant"]: r["step_ms"] for r in gpt2}
-        print(f"\nSpeed: GPT-2 small shape, batch {gpt2[0]['batch']} x 1024 tokens, bf16 autocast, AdamW(fused), "
-              "one GPU; host ms: the host's time to queue one step on an idle GPU")
-        print(f"{'variant':15} {'step ms':>9} {'fastest':>8} {'host ms':>8} {'tokens/s':>10} {'MFU':>6} "
-              f"{'memory MiB':>11} {'vs torch':>9}")
+        print(
+            f"\nSpeed: GPT-2 small shape, batch {gpt2[0]['batch']} x 1024 tokens, bf16 autocast, AdamW(fused), "
+            "one GPU; host ms: the host's time to queue one step on an idle GPU"
+        )
+        print(
+            f"{'variant':15} {'step ms':>9} {'fastest':>8} {'host ms':>8} {'tokens/s':>10} {'MFU':>6} "
+            f"{'memory MiB':>11} {'vs torch':>9}"
+        )
         for r in gpt2:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
             versus = r["step_ms"] / base["torch"] if "torch" in base else float("nan")
-            print(f"{r['variant']:15} {r['step_ms']:9.2f} {r.get('fastest_ms', float('nan')):8.2f} "
-                  f"{r.get('host_ms', float('nan')):8.2f} {r['tokens_per_s']:10.0f} {mfu:>6} "
-                  f"{r['memory_mib']:11.0f} {versus:9.3f}")
+            print(
+                f"{r['variant']:15} {r['step_ms']:9.2f} {r.get('fastest_ms', float('nan')):8.2f} "
+                f"{r.get('host_ms', float('nan')):8.2f} {r['tokens_per_s']:10.0f} {mfu:>6} "
+                f"{r['memory_mib']:11.0f} {versus:9.3f}"
+            )
         if "torch+compile" in base and "fsdp+compile" in base and "torch" in base:
             print(f"compiled fsdp vs eager plain torch: {base['torch'] / base['fsdp+compile']:.2f}x faster")
     overhead = [r for r in rows if r["table"] == "overhead"]
@@ -173,9 +180,11 @@ def print_speed(outcomes: list[Outcome]) -> None:
     for r in (r for o in outcomes for r in o.rows if r["kind"] == "note"):
         print(f"\n{r['text']}")
     for r in (r for o in outcomes for r in o.rows if r["kind"] == "trace"):
-        print(f"\nTrace {r['variant']}: streams (kernel us) {r['streams']}; collectives {r['comm_events']} events "
-              f"on {r['comm_streams']}, {r['overlap_us']:.0f} of {r['comm_us']:.0f} us overlapping compute; "
-              f"{r['comm_names']}")
+        print(
+            f"\nTrace {r['variant']}: streams (kernel us) {r['streams']}; collectives {r['comm_events']} events "
+            f"on {r['comm_streams']}, {r['overlap_us']:.0f} of {r['comm_us']:.0f} us overlapping compute; "
+            f"{r['comm_names']}"
+        )
 
 
 def environment() -> str:
@@ -185,8 +194,10 @@ def environment() -> str:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
-        line += (f", CUDA {torch.version.cuda}, nccl {nccl}, {props.name} ({props.total_memory / 2**30:.0f} GiB, "
-                 f"{props.multi_processor_count} SMs)")
+        line += (
+            f", CUDA {torch.version.cuda}, nccl {nccl}, {props.name} ({props.total_memory / 2**30:.0f} GiB, "
+            f"{props.multi_processor_count} SMs)"
+        )
     return line + f", {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
 
 
@@ -201,10 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--jobs", type=int, default=None, help="correctness parts at once (default: 4 on cuda)")
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every part's timeout")
-    parser.add_argument("--budget-s", type=float, default=None, help="stop starting parts after this many seconds "
-                        "(and cut the running ones' timeouts to it), so the tables always print")
-    parser.add_argument("--out-dir", metavar="DIR",
-                        help="a folder for the parts' whole log, the results as JSON and the profiler traces")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop starting parts after this many seconds "
+        "(and cut the running ones' timeouts to it), so the tables always print",
+    )
+    parser.add_argument(
+        "--out-dir",
+        metavar="DIR",
+        help="a folder for the parts' whole log, the results as JSON and the profiler traces",
+    )
     parser.add_argument("--run-part", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_part:
@@ -245,8 +264,9 @@ def _write_outputs(outcomes: list[Outcome], rows: list, out: str | None) -> None
         for o in outcomes:
             f.write(f"===== part {o.name}: exit {o.returncode}, {o.seconds:.0f} s\n{o.log}\n")
     with open(os.path.join(out, "gpu_check.json"), "w") as f:
-        json.dump({"environment": environment(), "checks": rows,
-                   "rows": {o.name: o.rows for o in outcomes}}, f, indent=1)
+        json.dump(
+            {"environment": environment(), "checks": rows, "rows": {o.name: o.rows for o in outcomes}}, f, indent=1
+        )
 
 
 if __name__ == "__main__":

@@ -98,9 +98,18 @@ class Case:
         return PRESETS[self.preset]
 
     def argv(self) -> list[str]:
-        return ["--preset", self.preset, "--batch-size", str(self.batch_size), "--precision", self.precision,
-                "--steps", str(self.steps), "--devices", str(self.devices)] + (
-                    ["--activation-checkpointing"] if self.activation_checkpointing else [])
+        return [
+            "--preset",
+            self.preset,
+            "--batch-size",
+            str(self.batch_size),
+            "--precision",
+            self.precision,
+            "--steps",
+            str(self.steps),
+            "--devices",
+            str(self.devices),
+        ] + (["--activation-checkpointing"] if self.activation_checkpointing else [])
 
 
 def _strategy(name: str, case: Case):
@@ -109,14 +118,22 @@ def _strategy(name: str, case: Case):
     from examples.gpt import Block
     from strategies import FSDPStrategy
 
-    return FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing={Block} if case.activation_checkpointing
-                        else None)
+    return FSDPStrategy(
+        auto_wrap_policy={Block}, activation_checkpointing={Block} if case.activation_checkpointing else None
+    )
 
 
 def _trainer(strategy: str, case: Case, callbacks: list) -> Trainer:
-    return Trainer(strategy=_strategy(strategy, case), devices=case.devices, max_steps=case.steps,
-                   precision=case.precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   callbacks=callbacks)
+    return Trainer(
+        strategy=_strategy(strategy, case),
+        devices=case.devices,
+        max_steps=case.steps,
+        precision=case.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=callbacks,
+    )
 
 
 def _data(case: Case) -> TextWindows:
@@ -133,9 +150,16 @@ def run_one(strategy: str, case: Case, training_only: bool) -> None:
     baseline = _rss_kib("VmRSS:") * 1024  # torch, gloo, the Trainer and what a step imports; no model yet
     baseline_files = _rss_kib("RssFile:") * 1024
     trainer.fit(GPTModule(case.config, max_steps=case.steps), DataLoader(data, batch_size=case.batch_size))
-    row = {"strategy": strategy, "rank": trainer.global_rank, "peak_rss": peak.peak_rss, "start_rss": peak.start_rss,
-           "baseline_rss": baseline, "report": peak.report, "params": GPT.count_parameters(case.config),
-           "files_read_in": max(0, peak.file_rss - baseline_files)}
+    row = {
+        "strategy": strategy,
+        "rank": trainer.global_rank,
+        "peak_rss": peak.peak_rss,
+        "start_rss": peak.start_rss,
+        "baseline_rss": baseline,
+        "report": peak.report,
+        "params": GPT.count_parameters(case.config),
+        "files_read_in": max(0, peak.file_rss - baseline_files),
+    }
     if not training_only:
         row.update(_full_save_rise(trainer))
         with tempfile.TemporaryDirectory() as tmp:
@@ -167,9 +191,14 @@ def memory_plan(case: Case):
     from examples.gpt import Block
     from strategies.plan import plan_memory
 
-    return plan_memory(GPTModule(case.config), world_size=case.devices, batch_size=case.batch_size,
-                       precision=case.precision, wrap_policy={Block},
-                       activation_checkpointing={Block} if case.activation_checkpointing else None)
+    return plan_memory(
+        GPTModule(case.config),
+        world_size=case.devices,
+        batch_size=case.batch_size,
+        precision=case.precision,
+        wrap_policy={Block},
+        activation_checkpointing={Block} if case.activation_checkpointing else None,
+    )
 
 
 def _save_stalls(trainer: Trainer, directory: str) -> dict[str, float]:
@@ -198,7 +227,8 @@ class _LoadWindow(Callback):
         engine = trainer.strategy.engine
         self.rise = _rss_kib("VmHWM:") * 1024 - module.rss_before_load
         own = sum(piece.numel for unit in engine.units for piece in unit.pieces) or sum(
-            unit.layout.total for unit in engine.units)  # ddp: everything
+            unit.layout.total for unit in engine.units
+        )  # ddp: everything
         self.budget = 12 * own + 4 * max(unit.layout.total for unit in engine.units)
 
 
@@ -214,8 +244,11 @@ def _load_rise(strategy: str, case: Case, directory: str, data, row: dict) -> Tr
     adds the rise and the budget to `row`."""
     window = _LoadWindow()
     trainer = _trainer(strategy, case, [window])
-    trainer.fit(_ResetBeforeLoad(case.config, max_steps=case.steps), DataLoader(data, batch_size=case.batch_size),
-                ckpt_path=directory)
+    trainer.fit(
+        _ResetBeforeLoad(case.config, max_steps=case.steps),
+        DataLoader(data, batch_size=case.batch_size),
+        ckpt_path=directory,
+    )
     row.update(load_rise=window.rise, load_budget=window.budget)
     return trainer
 
@@ -232,21 +265,23 @@ def main() -> None:
     parser.add_argument("--training-only", action="store_true", help="leave out the checkpoint measurements")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    case = Case(args.preset, args.batch_size, args.precision, args.activation_checkpointing, args.steps,
-                args.devices)
+    case = Case(args.preset, args.batch_size, args.precision, args.activation_checkpointing, args.steps, args.devices)
     if args.one:
         run_one(args.one, case, args.training_only)
         return
     plan = memory_plan(case)
     print(plan.table() + "\n")
-    print(f"{'strategy':8} {'rank':>4} {'model-state theory':>18} {'engine report':>14} {'peak RSS in training':>21}"
-          f" {'RSS at start':>13} {'baseline':>9} {'plan total':>10} {'peak - baseline':>15} {'code read in':>12}"
-          f" {'plan/measured':>13}"
-          f" {'full save: RSS rise':>19} {'file':>6}   (MiB; params, grads, optimizer state by the engine)")
+    print(
+        f"{'strategy':8} {'rank':>4} {'model-state theory':>18} {'engine report':>14} {'peak RSS in training':>21}"
+        f" {'RSS at start':>13} {'baseline':>9} {'plan total':>10} {'peak - baseline':>15} {'code read in':>12}"
+        f" {'plan/measured':>13}"
+        f" {'full save: RSS rise':>19} {'file':>6}   (MiB; params, grads, optimizer state by the engine)"
+    )
     checkpoint_rows = []
     for strategy in args.strategies.split(","):
         command = [sys.executable, "-m", "benchmarks.memory", "--one", strategy, *case.argv()] + (
-            ["--training-only"] if args.training_only else [])
+            ["--training-only"] if args.training_only else []
+        )
         # glibc raises its mmap threshold as large blocks are freed, after which freed multi-MiB buffers stay in
         # the heap and peak RSS counts memory the process no longer uses; a fixed threshold returns them.
         env = {"MALLOC_MMAP_THRESHOLD_": str(2**20), **os.environ, "OMP_NUM_THREADS": "1"}
@@ -255,29 +290,38 @@ def main() -> None:
         if line is None:
             print(f"{strategy}: failed\n{out.stderr[-3000:]}")
             continue
-        for row in json.loads(line[len("RESULT "):]):
+        for row in json.loads(line[len("RESULT ") :]):
             r = row["report"]
             model_state = r["parameters"] + r["gradients"] + r["optimizer_state"]
             theory = theory_bytes(strategy, row["params"], args.devices)
             planned, measured = plan.strategies[strategy].total, row["peak_rss"] - row["baseline_rss"]
             files = row["files_read_in"]
-            saved = (f" {row['save_rise'] / MiB:>19.0f} {row['save_file'] / MiB:>6.0f}" if not args.training_only
-                     else f" {'-':>19} {'-':>6}")
-            print(f"{strategy:8} {row['rank']:>4} {theory / MiB:>18.0f} {model_state / MiB:>14.0f}"
-                  f" {row['peak_rss'] / MiB:>21.0f} {row['start_rss'] / MiB:>13.0f}"
-                  f" {row['baseline_rss'] / MiB:>9.0f} {planned / MiB:>10.0f} {measured / MiB:>15.0f}"
-                  f" {files / MiB:>12.0f} {planned / (measured - files):>13.3f}{saved}"
-                  f"   ({r['parameters'] / MiB:.0f}, {r['gradients'] / MiB:.0f}, {r['optimizer_state'] / MiB:.0f})")
+            saved = (
+                f" {row['save_rise'] / MiB:>19.0f} {row['save_file'] / MiB:>6.0f}"
+                if not args.training_only
+                else f" {'-':>19} {'-':>6}"
+            )
+            print(
+                f"{strategy:8} {row['rank']:>4} {theory / MiB:>18.0f} {model_state / MiB:>14.0f}"
+                f" {row['peak_rss'] / MiB:>21.0f} {row['start_rss'] / MiB:>13.0f}"
+                f" {row['baseline_rss'] / MiB:>9.0f} {planned / MiB:>10.0f} {measured / MiB:>15.0f}"
+                f" {files / MiB:>12.0f} {planned / (measured - files):>13.3f}{saved}"
+                f"   ({r['parameters'] / MiB:.0f}, {r['gradients'] / MiB:.0f}, {r['optimizer_state'] / MiB:.0f})"
+            )
             checkpoint_rows.append(row)
     if args.training_only:
         return
-    print(f"\n{'strategy':8} {'rank':>4} {'sync save: stall s':>18} {'RSS rise':>9} {'async save: stall s':>19}"
-          f" {'complete s':>10} {'RSS rise':>9} {'load: RSS rise':>14} {'own shard + unit':>16} {'checkpoint':>10}"
-          "   (MiB)")
+    print(
+        f"\n{'strategy':8} {'rank':>4} {'sync save: stall s':>18} {'RSS rise':>9} {'async save: stall s':>19}"
+        f" {'complete s':>10} {'RSS rise':>9} {'load: RSS rise':>14} {'own shard + unit':>16} {'checkpoint':>10}"
+        "   (MiB)"
+    )
     for row in checkpoint_rows:
-        print(f"{row['strategy']:8} {row['rank']:>4} {row['sync_stall']:>18.2f} {row['sync_rise'] / MiB:>9.0f}"
-              f" {row['async_stall']:>19.2f} {row['async_done']:>10.2f} {row['async_rise'] / MiB:>9.0f}"
-              f" {row['load_rise'] / MiB:>14.0f} {row['load_budget'] / MiB:>16.0f} {row['dcp_bytes'] / MiB:>10.0f}")
+        print(
+            f"{row['strategy']:8} {row['rank']:>4} {row['sync_stall']:>18.2f} {row['sync_rise'] / MiB:>9.0f}"
+            f" {row['async_stall']:>19.2f} {row['async_done']:>10.2f} {row['async_rise'] / MiB:>9.0f}"
+            f" {row['load_rise'] / MiB:>14.0f} {row['load_budget'] / MiB:>16.0f} {row['dcp_bytes'] / MiB:>10.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -40,9 +40,15 @@ def llama_config(layers: int):
     import transformers
 
     # TinyLlama-1.1B's shape (22 layers: 1.10B parameters), untied embeddings
-    return transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                                    num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4,
-                                    max_position_embeddings=2048)
+    return transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    )
 
 
 def run_rank(layers: int) -> None:
@@ -65,10 +71,18 @@ def run_rank(layers: int) -> None:
     seconds = time.perf_counter() - start
     peak = _rss("VmHWM:") - baseline
     units = strategy.engine.units
-    row = {"rank": dist.get_rank(), "baseline": baseline, "build_rise": after_build, "peak_rise": peak,
-           "shard": strategy.memory_report()["parameters"], "record_s": recorded, "total_s": seconds,
-           "unit": max(u.layout.padded_total * u.master.element_size() for u in units),
-           "params": sum(u.layout.total for u in units), "units": len(units)}
+    row = {
+        "rank": dist.get_rank(),
+        "baseline": baseline,
+        "build_rise": after_build,
+        "peak_rise": peak,
+        "shard": strategy.memory_report()["parameters"],
+        "record_s": recorded,
+        "total_s": seconds,
+        "unit": max(u.layout.padded_total * u.master.element_size() for u in units),
+        "params": sum(u.layout.total for u in units),
+        "units": len(units),
+    }
     rows = strategy.all_gather_object(row)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
@@ -83,18 +97,29 @@ def run_eager(layers: int) -> None:
     baseline = _reset_peak()
     start = time.perf_counter()
     model = transformers.LlamaForCausalLM(llama_config(layers))
-    row = {"baseline": baseline, "peak_rise": _rss("VmHWM:") - baseline, "total_s": time.perf_counter() - start,
-           "params": sum(p.numel() for p in model.parameters())}
+    row = {
+        "baseline": baseline,
+        "peak_rise": _rss("VmHWM:") - baseline,
+        "total_s": time.perf_counter() - start,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     print("RESULT " + json.dumps([row]), flush=True)
 
 
 def _launch(args: list[str], world_size: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517",
-           "WORLD_SIZE": str(world_size)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29517",
+        "WORLD_SIZE": str(world_size),
+    }
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")
     command = [sys.executable, "-m", "benchmarks.meta_init", *args]
-    procs = [subprocess.Popen(command, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
-             for r in range(world_size)]
+    procs = [
+        subprocess.Popen(command, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+        for r in range(world_size)
+    ]
     outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"a rank failed: {[p.returncode for p in procs]}")
@@ -114,21 +139,29 @@ def main() -> None:
     if args.rank_job == "eager":
         return run_eager(args.layers)
     rows = _launch(["--rank-job", "sharded", "--layers", str(args.layers)], args.devices)
-    print(f"Llama, {rows[0]['params'] / 1e9:.2f}B parameters (fp32: {4 * rows[0]['params'] / GiB:.2f} GiB), "
-          f"{rows[0]['units']} units, fsdp on {args.devices} ranks (gloo, CPU); GiB")
-    print("| rank | baseline | rise after build (meta) | peak rise, built + materialized | shard | largest unit "
-          "| shard + unit | within (peak - bound) | seconds (record / total) |")
+    print(
+        f"Llama, {rows[0]['params'] / 1e9:.2f}B parameters (fp32: {4 * rows[0]['params'] / GiB:.2f} GiB), "
+        f"{rows[0]['units']} units, fsdp on {args.devices} ranks (gloo, CPU); GiB"
+    )
+    print(
+        "| rank | baseline | rise after build (meta) | peak rise, built + materialized | shard | largest unit "
+        "| shard + unit | within (peak - bound) | seconds (record / total) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         bound = r["shard"] + r["unit"]
-        print(f"| {r['rank']} | {r['baseline'] / GiB:.2f} | {r['build_rise'] / GiB:.2f} | {r['peak_rise'] / GiB:.2f} "
-              f"| {r['shard'] / GiB:.2f} | {r['unit'] / GiB:.2f} | {bound / GiB:.2f} | "
-              f"{'yes' if r['peak_rise'] <= bound else 'NO'} ({(r['peak_rise'] - bound) / 2**20:+.0f} MiB) | "
-              f"{r['record_s']:.1f} / {r['total_s']:.1f} |")
+        print(
+            f"| {r['rank']} | {r['baseline'] / GiB:.2f} | {r['build_rise'] / GiB:.2f} | {r['peak_rise'] / GiB:.2f} "
+            f"| {r['shard'] / GiB:.2f} | {r['unit'] / GiB:.2f} | {bound / GiB:.2f} | "
+            f"{'yes' if r['peak_rise'] <= bound else 'NO'} ({(r['peak_rise'] - bound) / 2**20:+.0f} MiB) | "
+            f"{r['record_s']:.1f} / {r['total_s']:.1f} |"
+        )
     if not args.no_eager:
         (eager,) = _launch(["--rank-job", "eager", "--layers", str(args.layers)], 1)
-        print(f"eager, one process: baseline {eager['baseline'] / GiB:.2f}, peak rise {eager['peak_rise'] / GiB:.2f} "
-              f"GiB, {eager['total_s']:.1f} s")
+        print(
+            f"eager, one process: baseline {eager['baseline'] / GiB:.2f}, peak rise {eager['peak_rise'] / GiB:.2f} "
+            f"GiB, {eager['total_s']:.1f} s"
+        )
 
 
 if __name__ == "__main__":

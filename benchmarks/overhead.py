@@ -151,7 +151,7 @@ def in_turn(variants: list[str], rounds: int, steps: int, warmup: int, run: Any)
     `count` steps of a variant and returns their timings."""
     times: Times = {name: [] for name in variants}
     for r in range(rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for name in order:
             run(name, warmup)
             times[name].append([])
@@ -186,10 +186,14 @@ def part_one(args: argparse.Namespace) -> None:
         times = run_interleaved(variants, args.rounds, args.steps, args.warmup, 0, barrier=False)
         dist.destroy_process_group()
     where = "each variant in a process of its own" if args.isolated else "every variant in this process"
-    print(f"\nworld size 1 ({args.rounds} rounds x {args.steps} steps per variant, {where}; extra per unit = "
-          f"(median - torch's median) / {UNITS} units; host = the process's CPU time)\n")
-    print("| variant | median step (ms) | spread | extra per unit (us) | host per step (ms) | spread | "
-          "extra host per unit (us) | page faults per step |")
+    print(
+        f"\nworld size 1 ({args.rounds} rounds x {args.steps} steps per variant, {where}; extra per unit = "
+        f"(median - torch's median) / {UNITS} units; host = the process's CPU time)\n"
+    )
+    print(
+        "| variant | median step (ms) | spread | extra per unit (us) | host per step (ms) | spread | "
+        "extra host per unit (us) | page faults per step |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     extra: dict[str, list[float]] = {}
     for name, rounds in times.items():
@@ -204,16 +208,20 @@ def part_one(args: argparse.Namespace) -> None:
     for a, b in (("fsdp@many", "zero2@many"), ("fsdp@many", "fully_shard")):
         if a in extra and b in extra:
             paired, low, high = paired_ratio(times, a, b)
-            print(f"\n{a} / {b}, extra per unit: wall {ratio_of(extra[a][0], extra[b][0]):.2f}, "
-                  f"host {ratio_of(extra[a][1], extra[b][1]):.2f}; paired by round (wall) {paired:.2f}, "
-                  f"95% bootstrap interval {low:.2f}-{high:.2f}")
+            print(
+                f"\n{a} / {b}, extra per unit: wall {ratio_of(extra[a][0], extra[b][0]):.2f}, "
+                f"host {ratio_of(extra[a][1], extra[b][1]):.2f}; paired by round (wall) {paired:.2f}, "
+                f"95% bootstrap interval {low:.2f}-{high:.2f}"
+            )
 
 
 def extras_by_round(times: Times, name: str) -> list[float]:
     """`name`'s extra wall time per unit over plain torch (us), round by round: each round's against the same
     round's plain torch, whose steps alternate with it, so a slower minute of the machine falls on both sides."""
-    return [(statistics.median(t[0] for t in mine) - statistics.median(t[0] for t in plain)) / UNITS * 1e6
-            for mine, plain in zip(times[name], times["torch"])]
+    return [
+        (statistics.median(t[0] for t in mine) - statistics.median(t[0] for t in plain)) / UNITS * 1e6
+        for mine, plain in zip(times[name], times["torch"])
+    ]
 
 
 def paired_ratio(times: Times, a: str, b: str, resamples: int = 2000) -> tuple[float, float, float]:
@@ -226,8 +234,9 @@ def paired_ratio(times: Times, a: str, b: str, resamples: int = 2000) -> tuple[f
     ratios = []
     for _ in range(resamples):
         rounds = [pick.randrange(len(first)) for _ in first]
-        ratios.append(ratio_of(statistics.median(first[r] for r in rounds),
-                               statistics.median(second[r] for r in rounds)))
+        ratios.append(
+            ratio_of(statistics.median(first[r] for r in rounds), statistics.median(second[r] for r in rounds))
+        )
     ratios.sort()
     ratio = ratio_of(statistics.median(first), statistics.median(second))
     return ratio, ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
@@ -296,8 +305,10 @@ def part_two(args: argparse.Namespace) -> None:
     times = queue.get()
     for p in processes:
         p.join()
-    print(f"\n2 gloo ranks ({args.rounds} rounds x {args.steps} steps per variant; rank 0, between barriers; "
-          "CPU: rank 0's process, gloo's threads included)\n")
+    print(
+        f"\n2 gloo ranks ({args.rounds} rounds x {args.steps} steps per variant; rank 0, between barriers; "
+        "CPU: rank 0's process, gloo's threads included)\n"
+    )
     print("| variant | median step (ms) | spread | vs torch | CPU per step (ms) | vs torch | page faults per step |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     counterpart = {"ddp": "torch-ddp", "zero2": "torch-ddp", "fsdp": "fully_shard"}
@@ -305,13 +316,16 @@ def part_two(args: argparse.Namespace) -> None:
         (wall, spread), (cpu, _) = summary(rounds, 0), summary(rounds, 1)
         other = counterpart.get(name)
         if other in times:
-            ratios = [f"{wall / summary(times[other], 0)[0]:.2f} x {other}",
-                      f"{cpu / summary(times[other], 1)[0]:.2f} x"]
+            ratios = [
+                f"{wall / summary(times[other], 0)[0]:.2f} x {other}",
+                f"{cpu / summary(times[other], 1)[0]:.2f} x",
+            ]
         else:
             ratios = ["", ""]
         faults = statistics.median(t[2] for r in rounds for t in r)
-        print(f"| {name} | {wall * 1e3:.2f} | {spread:.0%} | {ratios[0]} | {cpu * 1e3:.2f} | {ratios[1]} "
-              f"| {faults:.0f} |")
+        print(
+            f"| {name} | {wall * 1e3:.2f} | {spread:.0%} | {ratios[0]} | {cpu * 1e3:.2f} | {ratios[1]} | {faults:.0f} |"
+        )
 
 
 def free_port() -> int:
@@ -323,18 +337,27 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=["one", "two", "both"], default="both")
-    parser.add_argument("--variants", type=lambda s: s.split(","), default=None,
-                        help=f"comma-separated; world size 1: {','.join(ONE_RANK)}; 2 ranks: {','.join(TWO_RANKS)}")
+    parser.add_argument(
+        "--variants",
+        type=lambda s: s.split(","),
+        default=None,
+        help=f"comma-separated; world size 1: {','.join(ONE_RANK)}; 2 ranks: {','.join(TWO_RANKS)}",
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--isolated", action="store_true",
-                        help="world size 1: each variant in a process of its own (its own heap), still in turn")
+    parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="world size 1: each variant in a process of its own (its own heap), still in turn",
+    )
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = datetime.datetime.now(datetime.timezone.utc)
-    print(f"{started:%Y-%m-%d %H:%M} UTC; {platform.platform()}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs; Python {platform.python_version()}, torch {torch.__version__}")
+    print(
+        f"{started:%Y-%m-%d %H:%M} UTC; {platform.platform()}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs; Python {platform.python_version()}, torch {torch.__version__}"
+    )
     print("command: python -m benchmarks.overhead " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
     if args.part in ("one", "both"):
         part_one(args)

@@ -51,8 +51,10 @@ def in_one_process() -> None:
     unit = per_call_ns(lambda: observe.unit_forward("h.0", True)) - baseline
     with observe.watched_by(StepTimer()):
         timed = per_call_ns(watched_call, CALLS // 4) - baseline
-    print(f"one process: unwatched observe.start {start:.0f} ns per collective, unit_forward {unit:.0f} ns per "
-          f"unit forward; watched by the StepTimer {timed:.0f} ns per collective")
+    print(
+        f"one process: unwatched observe.start {start:.0f} ns per collective, unit_forward {unit:.0f} ns per "
+        f"unit forward; watched by the StepTimer {timed:.0f} ns per collective"
+    )
 
 
 def on_two_ranks(blocks: int = 12, per_block: int = 200) -> None:
@@ -60,8 +62,11 @@ def on_two_ranks(blocks: int = 12, per_block: int = 200) -> None:
     rank = dist.get_rank()
     stats, full = collectives.CommStats(), torch.zeros(2)
     shard = full[rank : rank + 1]
-    modes = {"unwatched": [], "timed": [StepTimer()],
-             "checked": [StepTimer(), DivergenceCheck.connect(datetime.timedelta(minutes=2))]}
+    modes = {
+        "unwatched": [],
+        "timed": [StepTimer()],
+        "checked": [StepTimer(), DivergenceCheck.connect(datetime.timedelta(minutes=2))],
+    }
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(blocks):
         for mode, watchers in modes.items():
@@ -72,9 +77,11 @@ def on_two_ranks(blocks: int = 12, per_block: int = 200) -> None:
                     collectives.all_gather(full, shard, None, stats, async_op=False, unit="h.0")
                 times[mode].append((time.perf_counter() - start) / per_block * 1e6)
     if rank == 0:
-        print(f"two gloo ranks, a 1-element all_gather through the engine ({blocks} interleaved blocks of "
-              f"{per_block}), us per collective, fastest block / median block: " + ", ".join(
-                  f"{mode} {min(t):.1f} / {median(t):.1f}" for mode, t in times.items()))
+        print(
+            f"two gloo ranks, a 1-element all_gather through the engine ({blocks} interleaved blocks of "
+            f"{per_block}), us per collective, fastest block / median block: "
+            + ", ".join(f"{mode} {min(t):.1f} / {median(t):.1f}" for mode, t in times.items())
+        )
     dist.destroy_process_group()
 
 
@@ -89,8 +96,13 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": "2"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+    }
     command = [sys.executable, "-m", "benchmarks.watch_cost"]
     procs = [subprocess.Popen(command, env={**env, "RANK": str(r)}) for r in range(2)]
     if any(p.wait() != 0 for p in procs):

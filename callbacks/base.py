@@ -150,7 +150,12 @@ class Callback:
         """Called at the end of a validation epoch."""
 
     def on_validation_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
         """Called after each validation batch with `validation_step`'s `outputs`.
@@ -176,7 +181,12 @@ class Callback:
         """Called at the end of the test epoch."""
 
     def on_test_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
         """Called after each test batch with `test_step`'s `outputs`.
@@ -196,7 +206,12 @@ class Callback:
         """Called when prediction ends."""
 
     def on_predict_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
         """Called after each predict batch with `predict_step`'s `outputs`.

@@ -44,8 +44,14 @@ class CSVLogger(Logger):
     NAME_METRICS_FILE = "metrics.csv"
     NAME_HPARAMS_FILE = "hparams.yaml"
 
-    def __init__(self, save_dir: str | os.PathLike, name: str | None = "default", version: int | str | None = None,
-                 prefix: str = "", flush_logs_every_n_steps: int = 100) -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        name: str | None = "default",
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+    ) -> None:
         if not isinstance(flush_logs_every_n_steps, int) or flush_logs_every_n_steps < 1:
             raise ValueError(f"CSVLogger: flush_logs_every_n_steps={flush_logs_every_n_steps!r}; use a positive int")
         self._save_dir, self._name, self._version = os.fspath(save_dir), name or "", version

@@ -40,10 +40,19 @@ class EarlyStopping(Callback):
             `monitor` is not logged when a check is due.
     """
 
-    def __init__(self, monitor: str, min_delta: float = 0.0, patience: int = 3, verbose: bool = False,
-                 mode: str = "min", strict: bool = True, check_finite: bool = True,
-                 stopping_threshold: float | None = None, divergence_threshold: float | None = None,
-                 check_on_train_epoch_end: bool = False) -> None:
+    def __init__(
+        self,
+        monitor: str,
+        min_delta: float = 0.0,
+        patience: int = 3,
+        verbose: bool = False,
+        mode: str = "min",
+        strict: bool = True,
+        check_finite: bool = True,
+        stopping_threshold: float | None = None,
+        divergence_threshold: float | None = None,
+        check_on_train_epoch_end: bool = False,
+    ) -> None:
         check_mode("EarlyStopping", mode)
         if patience < 0:
             raise ValueError(f"EarlyStopping(patience={patience}) must be >= 0")
@@ -66,8 +75,12 @@ class EarlyStopping(Callback):
         return self._generate_state_key(monitor=self.monitor, mode=self.mode)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"wait_count": self.wait_count, "stopped_epoch": self.stopped_epoch,
-                "best_score": self.best_score, "patience": self.patience}
+        return {
+            "wait_count": self.wait_count,
+            "stopped_epoch": self.stopped_epoch,
+            "best_score": self.best_score,
+            "patience": self.patience,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wait_count = int(state_dict["wait_count"])
@@ -87,9 +100,11 @@ class EarlyStopping(Callback):
     def _run_check(self, trainer: Trainer) -> None:
         current = broadcast_metric(trainer, self.monitor)
         if current is None:
-            message = (f"EarlyStopping(monitor={self.monitor!r}) could not find the metric; available "
-                       f"metrics: {sorted(trainer.callback_metrics)}. "
-                       f"Log it with self.log({self.monitor!r}, value).{why_missing(trainer)}")
+            message = (
+                f"EarlyStopping(monitor={self.monitor!r}) could not find the metric; available "
+                f"metrics: {sorted(trainer.callback_metrics)}. "
+                f"Log it with self.log({self.monitor!r}, value).{why_missing(trainer)}"
+            )
             if self.strict:
                 raise ValueError(message)
             log.warning(message)
@@ -127,8 +142,10 @@ class EarlyStopping(Callback):
             return False, reason
         self.wait_count += 1
         if self.wait_count >= self.patience:
-            return True, (f"{name} did not improve by more than {self.min_delta} in {self.wait_count} "
-                          f"checks. Best score: {self.best_score:.6g}. Stopping.")
+            return True, (
+                f"{name} did not improve by more than {self.min_delta} in {self.wait_count} "
+                f"checks. Best score: {self.best_score:.6g}. Stopping."
+            )
         return False, None
 
 

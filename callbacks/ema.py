@@ -54,8 +54,13 @@ class EMA(Callback):
             `update_starting_at_step` is not None or an int >= 0.
     """
 
-    def __init__(self, decay: float = 0.999, update_every_n_steps: int = 1,
-                 update_starting_at_step: int | None = None, evaluate_with_ema: bool = True) -> None:
+    def __init__(
+        self,
+        decay: float = 0.999,
+        update_every_n_steps: int = 1,
+        update_starting_at_step: int | None = None,
+        evaluate_with_ema: bool = True,
+    ) -> None:
         if isinstance(decay, bool) or not isinstance(decay, (int, float)):
             raise TypeError(f"EMA(decay={decay!r}) must be a number in [0, 1], e.g. 0.999")
         if not 0.0 <= decay <= 1.0:
@@ -96,8 +101,9 @@ class EMA(Callback):
         if stage == "fit":  # a checkpoint without the average resumes at its step: count from there
             self._latest_step = max(self._latest_step, trainer.global_step)
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._catch_up(trainer)
 
     def on_validation_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
@@ -138,8 +144,10 @@ class EMA(Callback):
                 one was loaded).
         """
         if self.updates == 0:
-            raise RuntimeError("EMA.applied: the average holds nothing yet (no update since fit started, and no "
-                               "checkpoint with one was loaded)")
+            raise RuntimeError(
+                "EMA.applied: the average holds nothing yet (no update since fit started, and no "
+                "checkpoint with one was loaded)"
+            )
         swapped = not self._swapped
         if swapped:
             self._apply(trainer)
@@ -186,8 +194,11 @@ class EMA(Callback):
         if self.updates == 0:
             if trainer.state.stage != "fit" and trainer.is_global_zero and not self._warned:
                 self._warned = True
-                warnings.warn(f"EMA: the average holds nothing (no update, and no checkpoint with one loaded): "
-                              f"{trainer.state.stage} runs with the trained weights", stacklevel=2)
+                warnings.warn(
+                    f"EMA: the average holds nothing (no update, and no checkpoint with one loaded): "
+                    f"{trainer.state.stage} runs with the trained weights",
+                    stacklevel=2,
+                )
             return
         self._apply(trainer)
 
@@ -207,8 +218,9 @@ class EMA(Callback):
         """Swap the average with the master pieces in place; where their dtypes differ (bf16 weights, an fp32
         average) the trained pieces are kept aside instead and copied back."""
         if not back:
-            self._stash = [None if a.dtype == p.data.dtype else p.data.clone()
-                           for p, a in zip(self._pieces, self._average)]
+            self._stash = [
+                None if a.dtype == p.data.dtype else p.data.clone() for p, a in zip(self._pieces, self._average)
+            ]
         with torch.no_grad():
             for piece, average, kept in zip(self._pieces, self._average, self._stash):
                 if kept is None:
@@ -222,26 +234,32 @@ class EMA(Callback):
     def sharded_state(self, trainer: Trainer) -> dict[str, dict[str, Any]]:
         self._catch_up(trainer)
         if self._swapped:
-            raise RuntimeError("EMA: a checkpoint cannot be written while the average is swapped in for "
-                               f"{trainer.state.stage}; save from on_validation_end or outside evaluation")
+            raise RuntimeError(
+                "EMA: a checkpoint cannot be written while the average is swapped in for "
+                f"{trainer.state.stage}; save from on_validation_end or outside evaluation"
+            )
         if self.updates == 0 or not trainer.strategy.model_state().writes_pieces:
             return {}
         return {KEY: self._as_flat_pieces()}
 
-    def sharded_state_targets(self, trainer: Trainer,
-                              saved: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
+    def sharded_state_targets(
+        self, trainer: Trainer, saved: dict[str, dict[str, torch.Tensor]]
+    ) -> dict[str, dict[str, Any]]:
         self._bind(trainer.strategy)
         stored = saved.get(KEY)
         if stored is None:
             if trainer.is_global_zero:
-                warnings.warn("EMA: the checkpoint holds no average (ema.*); it starts again with the next update",
-                              stacklevel=2)
+                warnings.warn(
+                    "EMA: the checkpoint holds no average (ema.*); it starts again with the next update", stacklevel=2
+                )
             self._average, self.updates = None, 0
             return {}
         missing = sorted({p.name for p in self._pieces} - set(stored))
         if missing:
-            raise ValueError(f"EMA: the checkpoint's average (ema.*) has no entry for the trainable parameters "
-                             f"{missing}; it was written for another model")
+            raise ValueError(
+                f"EMA: the checkpoint's average (ema.*) has no entry for the trainable parameters "
+                f"{missing}; it was written for another model"
+            )
         self._average = [torch.empty_like(p.data, dtype=_average_dtype(p.data.dtype)) for p in self._pieces]
         self.updates = max(self.updates, 1)  # (a resume then restores the count with the callback state)
         return {KEY: self._as_flat_pieces()}
@@ -258,8 +276,10 @@ class EMA(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict["updates"] and self._average is None:
-            raise ValueError(f"EMA: the checkpoint's callback state counts {state_dict['updates']} update(s) of the "
-                             "average but holds no average (ema.*)")
+            raise ValueError(
+                f"EMA: the checkpoint's callback state counts {state_dict['updates']} update(s) of the "
+                "average but holds no average (ema.*)"
+            )
         self.updates, self._latest_step = state_dict["updates"], state_dict["latest_update_step"]
 
 

@@ -119,8 +119,13 @@ class TensorBoardLogger(Logger):
         ValueError: when a logged metric is not a number or a scalar tensor.
     """
 
-    def __init__(self, save_dir: str | os.PathLike = "runs", name: str | None = "default",
-                 version: int | str | None = None, **writer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        save_dir: str | os.PathLike = "runs",
+        name: str | None = "default",
+        version: int | str | None = None,
+        **writer_kwargs: Any,
+    ) -> None:
         self._save_dir = os.fspath(save_dir)
         self._name = name or ""
         self._version = version

@@ -35,11 +35,14 @@ class LearningRateMonitor(Callback):
             Trainer has no logger.
     """
 
-    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False,
-                 log_weight_decay: bool = False) -> None:
+    def __init__(
+        self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False
+    ) -> None:
         if logging_interval not in INTERVALS:
-            raise ValueError(f"LearningRateMonitor(logging_interval={logging_interval!r}) is not valid: "
-                             "`logging_interval` must be one of None, 'step', 'epoch'")
+            raise ValueError(
+                f"LearningRateMonitor(logging_interval={logging_interval!r}) is not valid: "
+                "`logging_interval` must be one of None, 'step', 'epoch'"
+            )
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
         self.log_weight_decay = log_weight_decay

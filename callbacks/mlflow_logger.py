@@ -32,8 +32,9 @@ def _mlflow() -> Any:
         import mlflow.entities
         from mlflow.tracking import MlflowClient
     except ImportError as error:
-        raise ImportError("MLFlowLogger needs the mlflow package (an optional dependency): pip install mlflow") \
-            from error
+        raise ImportError(
+            "MLFlowLogger needs the mlflow package (an optional dependency): pip install mlflow"
+        ) from error
     return MlflowClient, mlflow.entities
 
 
@@ -68,11 +69,19 @@ class MLFlowLogger(Logger):
         ImportError: when the run is first needed, if `mlflow` is not installed.
     """
 
-    def __init__(self, experiment_name: str = "lightning_logs", run_name: str | None = None,
-                 tracking_uri: str | None = None, tags: dict[str, Any] | None = None,
-                 save_dir: str | os.PathLike | None = "./mlruns", log_model: bool | str = False, prefix: str = "",
-                 artifact_location: str | None = None, run_id: str | None = None,
-                 synchronous: bool | None = None) -> None:
+    def __init__(
+        self,
+        experiment_name: str = "lightning_logs",
+        run_name: str | None = None,
+        tracking_uri: str | None = None,
+        tags: dict[str, Any] | None = None,
+        save_dir: str | os.PathLike | None = "./mlruns",
+        log_model: bool | str = False,
+        prefix: str = "",
+        artifact_location: str | None = None,
+        run_id: str | None = None,
+        synchronous: bool | None = None,
+    ) -> None:
         if log_model not in (True, False, "all"):
             raise ValueError(f"MLFlowLogger: log_model={log_model!r}; use False, True or 'all'")
         tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")

@@ -65,11 +65,22 @@ class ModelCheckpoint(Callback):
 
     CHECKPOINT_NAME_LAST = "last"
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 monitor: str | None = None, *, mode: str = "min", save_top_k: int = 1,
-                 save_last: bool | None = None, every_n_train_steps: int | None = None,
-                 every_n_epochs: int | None = None, save_on_train_epoch_end: bool | None = None,
-                 auto_insert_metric_name: bool = True, verbose: bool = False, async_save: bool = False) -> None:
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        *,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool | None = None,
+        every_n_train_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        auto_insert_metric_name: bool = True,
+        verbose: bool = False,
+        async_save: bool = False,
+    ) -> None:
         check_mode("ModelCheckpoint", mode)
         _check_triggers(save_top_k, every_n_train_steps, every_n_epochs)
         self.dirpath = _realpath(dirpath) if dirpath is not None else None
@@ -102,9 +113,12 @@ class ModelCheckpoint(Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(monitor=self.monitor, mode=self.mode,
-                                        every_n_train_steps=self.every_n_train_steps,
-                                        every_n_epochs=self.every_n_epochs)
+        return self._generate_state_key(
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=self.every_n_train_steps,
+            every_n_epochs=self.every_n_epochs,
+        )
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
@@ -157,8 +171,11 @@ class ModelCheckpoint(Callback):
             )
 
     def _skip(self, trainer: Trainer) -> bool:
-        return (trainer.state.stage != "fit" or trainer.sanity_checking
-                or trainer.global_step == self._last_global_step_saved)
+        return (
+            trainer.state.stage != "fit"
+            or trainer.sanity_checking
+            or trainer.global_step == self._last_global_step_saved
+        )
 
     def _on_train_epoch_end(self, trainer: Trainer) -> bool:
         if self.save_on_train_epoch_end is not None:
@@ -180,9 +197,11 @@ class ModelCheckpoint(Callback):
         if self.save_top_k == 0:
             return
         if self.monitor is not None and self.monitor not in metrics:
-            message = (f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored metric in "
-                       f"the logged metrics: {sorted(k for k in metrics if k not in ('epoch', 'step'))}. "
-                       f"Log it with self.log({self.monitor!r}, value).{why_missing(trainer)}")
+            message = (
+                f"ModelCheckpoint(monitor={self.monitor!r}) could not find the monitored metric in "
+                f"the logged metrics: {sorted(k for k in metrics if k not in ('epoch', 'step'))}. "
+                f"Log it with self.log({self.monitor!r}, value).{why_missing(trainer)}"
+            )
             if strict:
                 raise ValueError(message)
             warnings.warn(message, stacklevel=2)
@@ -339,9 +358,12 @@ class ModelCheckpoint(Callback):
     def _restore(self, state: dict[str, Any]) -> None:
         self.best_model_path = state["best_model_path"]
         if state.get("dirpath") != self.dirpath:
-            warnings.warn(f"ModelCheckpoint's dirpath changed from {state.get('dirpath')!r} to "
-                          f"{self.dirpath!r}: only best_model_path is restored, the top-k bookkeeping starts "
-                          "afresh.", stacklevel=2)
+            warnings.warn(
+                f"ModelCheckpoint's dirpath changed from {state.get('dirpath')!r} to "
+                f"{self.dirpath!r}: only best_model_path is restored, the top-k bookkeeping starts "
+                "afresh.",
+                stacklevel=2,
+            )
             return
         self.best_model_score = _tensor(state["best_model_score"])
         self.current_score = _tensor(state.get("current_score"))
@@ -359,8 +381,10 @@ def _check_triggers(save_top_k: int, every_n_train_steps: int | None, every_n_ep
         if value is not None and value < 0:
             raise ValueError(f"ModelCheckpoint({name}={value}) must be >= 0")
     if (every_n_train_steps or 0) > 0 and (every_n_epochs or 0) > 0:
-        raise ValueError("ModelCheckpoint: `every_n_train_steps` and `every_n_epochs` are mutually exclusive;"
-                         f" got every_n_train_steps={every_n_train_steps}, every_n_epochs={every_n_epochs}")
+        raise ValueError(
+            "ModelCheckpoint: `every_n_train_steps` and `every_n_epochs` are mutually exclusive;"
+            f" got every_n_train_steps={every_n_train_steps}, every_n_epochs={every_n_epochs}"
+        )
 
 
 def _realpath(path: str | os.PathLike) -> str:

@@ -108,7 +108,12 @@ class ProgressBar(Callback):
         self._open_eval_bar(trainer, trainer.num_val_batches, desc)
 
     def on_validation_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
         self._advance_eval_bar(batch_idx)
@@ -123,7 +128,12 @@ class ProgressBar(Callback):
         self._open_eval_bar(trainer, getattr(trainer, "num_test_batches", None), "Testing")
 
     def on_test_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
         self._advance_eval_bar(batch_idx)
@@ -135,7 +145,12 @@ class ProgressBar(Callback):
         self._open_eval_bar(trainer, getattr(trainer, "num_predict_batches", None), "Predicting")
 
     def on_predict_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int,
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
         self._advance_eval_bar(batch_idx)

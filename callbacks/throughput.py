@@ -83,8 +83,9 @@ class ThroughputMonitor(Callback):
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
             self.flops_per_batch = self._counter.get_total_flops()

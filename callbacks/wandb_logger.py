@@ -28,8 +28,10 @@ def _wandb() -> Any:
     try:
         import wandb
     except ImportError as error:
-        raise ImportError("WandbLogger needs the wandb package (an optional dependency): "
-                          'pip install "shardtrain[wandb]" (or pip install wandb)') from error
+        raise ImportError(
+            "WandbLogger needs the wandb package (an optional dependency): "
+            'pip install "shardtrain[wandb]" (or pip install wandb)'
+        ) from error
     return wandb
 
 
@@ -70,11 +72,22 @@ class WandbLogger(Logger):
         ImportError: when the run is first needed, if `wandb` is not installed.
     """
 
-    def __init__(self, name: str | None = None, save_dir: str | os.PathLike = ".", version: str | None = None,
-                 offline: bool = False, dir: str | os.PathLike | None = None, id: str | None = None,
-                 anonymous: bool | None = None, project: str | None = None, log_model: bool | str = False,
-                 experiment: Any = None, prefix: str = "", checkpoint_name: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        save_dir: str | os.PathLike = ".",
+        version: str | None = None,
+        offline: bool = False,
+        dir: str | os.PathLike | None = None,
+        id: str | None = None,
+        anonymous: bool | None = None,
+        project: str | None = None,
+        log_model: bool | str = False,
+        experiment: Any = None,
+        prefix: str = "",
+        checkpoint_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         if log_model not in (True, False, "all"):
             raise ValueError(f"WandbLogger: log_model={log_model!r}; use False, True or 'all'")
         if save_dir == "." and dir is not None:
@@ -180,8 +193,9 @@ class WandbLogger(Logger):
         for path, aliases in entries:
             if not os.path.exists(path):
                 continue
-            artifact = wandb.Artifact(self._checkpoint_name or f"model-{self.version}", type="model",
-                                      metadata={"path": path})
+            artifact = wandb.Artifact(
+                self._checkpoint_name or f"model-{self.version}", type="model", metadata={"path": path}
+            )
             if os.path.isdir(path):
                 artifact.add_dir(path)
             else:

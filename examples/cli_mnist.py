@@ -29,8 +29,9 @@ class MNISTData(DataModule):
         download: fetch MNIST when it is not in `data_dir` (false: the files must be there).
     """
 
-    def __init__(self, data_dir: str = "data", batch_size: int = 64, test_batch_size: int = 1000,
-                 download: bool = True) -> None:
+    def __init__(
+        self, data_dir: str = "data", batch_size: int = 64, test_batch_size: int = 1000, download: bool = True
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
 

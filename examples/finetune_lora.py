@@ -43,9 +43,17 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def llama_config(args: argparse.Namespace) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        vocab_size=256, hidden_size=args.hidden_size, intermediate_size=args.hidden_size * 8 // 3,
-        num_hidden_layers=args.n_layer, num_attention_heads=args.n_head, num_key_value_heads=max(1, args.n_head // 2),
-        max_position_embeddings=args.block_size, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        vocab_size=256,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.hidden_size * 8 // 3,
+        num_hidden_layers=args.n_layer,
+        num_attention_heads=args.n_head,
+        num_key_value_heads=max(1, args.n_head // 2),
+        max_position_embeddings=args.block_size,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
 
 
 def write_pretrained(folder: str, config: transformers.LlamaConfig, seed: int) -> None:
@@ -73,8 +81,13 @@ class LoraFineTune(TrainModule):
             return  # resumed: the checkpoint holds the weights
         # peft keeps each adapted layer's pretrained weight as `base_layer.weight`; the adapters are not in the
         # files (strict=False), and only they may be missing.
-        missing = load_safetensors(self.trainer, self.pretrained, prefix="model.base_model.model.",
-                                   key_mapping={r"\.base_layer\.": "."}, strict=False)
+        missing = load_safetensors(
+            self.trainer,
+            self.pretrained,
+            prefix="model.base_model.model.",
+            key_mapping={r"\.base_layer\.": "."},
+            strict=False,
+        )
         if any("lora_" not in name for name in missing):
             raise ValueError(f"{self.pretrained} lacks pretrained weights: {[n for n in missing if 'lora_' not in n]}")
 
@@ -132,12 +145,25 @@ def main(argv: list[str] | None = None) -> None:
     train_set, val_set = build_datasets(args.block_size, args.data_bytes, args.val_windows)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
     val_loader = DataLoader(val_set, batch_size=args.batch_size)
-    strategy = FSDPStrategy(auto_wrap_policy={transformers.models.llama.modeling_llama.LlamaDecoderLayer}) \
-        if args.strategy == "fsdp" else args.strategy
-    trainer = Trainer(strategy=strategy, devices=args.devices, accelerator=args.accelerator,
-                      max_steps=args.max_steps, max_epochs=1000, val_check_interval=args.val_check_interval,
-                      log_every_n_steps=10, default_root_dir=args.root_dir, enable_checkpointing=False,
-                      enable_model_summary=False, enable_progress_bar=False, callbacks=[PrintValLoss()])
+    strategy = (
+        FSDPStrategy(auto_wrap_policy={transformers.models.llama.modeling_llama.LlamaDecoderLayer})
+        if args.strategy == "fsdp"
+        else args.strategy
+    )
+    trainer = Trainer(
+        strategy=strategy,
+        devices=args.devices,
+        accelerator=args.accelerator,
+        max_steps=args.max_steps,
+        max_epochs=1000,
+        val_check_interval=args.val_check_interval,
+        log_every_n_steps=10,
+        default_root_dir=args.root_dir,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        callbacks=[PrintValLoss()],
+    )
     if trainer.is_global_zero and not os.path.isdir(args.pretrained):
         write_pretrained(args.pretrained, llama_config(args), args.seed)
     trainer.strategy.barrier()
@@ -151,15 +177,19 @@ def main(argv: list[str] | None = None) -> None:
         return
     trainable = sum(v.numel() for v in adapter.values())
     total = sum(p.numel() for p in module.parameters())
-    print(f"training took {time.perf_counter() - start:.1f} s for {trainer.global_step} steps; trained "
-          f"{trainable:,} adapter parameters of {total:,} ({100 * trainable / total:.1f}%), on {trainer.world_size} "
-          f"rank(s) with {args.strategy}; trainable elements held per rank: {held}")
+    print(
+        f"training took {time.perf_counter() - start:.1f} s for {trainer.global_step} steps; trained "
+        f"{trainable:,} adapter parameters of {total:,} ({100 * trainable / total:.1f}%), on {trainer.world_size} "
+        f"rank(s) with {args.strategy}; trainable elements held per rank: {held}"
+    )
     shutil.rmtree(args.adapter_dir, ignore_errors=True)
     module.model.save_pretrained(args.adapter_dir, state_dict={k.removeprefix("model."): v for k, v in adapter.items()})
     print(f"adapter saved by peft in {args.adapter_dir}: {', '.join(sorted(os.listdir(args.adapter_dir)))}")
     score = reload_and_score(args, val_loader)
-    print(f"reloaded in one process (PeftModel.from_pretrained on {args.pretrained}): val/loss {score:.4f} "
-          f"(a uniform guess: {math.log(256):.2f})")
+    print(
+        f"reloaded in one process (PeftModel.from_pretrained on {args.pretrained}): val/loss {score:.4f} "
+        f"(a uniform guess: {math.log(256):.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -256,8 +256,14 @@ class GPTModule(TrainModule):
         self.config = config
         self.lr, self.weight_decay, self.min_lr_ratio = lr, weight_decay, min_lr_ratio
         self.warmup_steps, self.max_steps = warmup_steps, max_steps
-        self.save_hyperparameters(**asdict(config), lr=lr, weight_decay=weight_decay,
-                                  warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio)
+        self.save_hyperparameters(
+            **asdict(config),
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            max_steps=max_steps,
+            min_lr_ratio=min_lr_ratio,
+        )
         self.model: GPT | None = None
 
     def configure_model(self) -> None:
@@ -313,15 +319,20 @@ class PrintValLoss(Callback):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", default="ddp", choices=["auto", "ddp", "zero1", "zero2", "fsdp", "hsdp"],
-                   help="fsdp and hsdp make each Block a unit")
+    p.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=["auto", "ddp", "zero1", "zero2", "fsdp", "hsdp"],
+        help="fsdp and hsdp make each Block a unit",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile each Block (fsdp, hsdp) or the whole GPT")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--accelerator", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--max-steps", type=int, default=400)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--preset", choices=sorted(GPT_PRESETS), default="quickstart",
-                   help="model size; the flags below override it")
+    p.add_argument(
+        "--preset", choices=sorted(GPT_PRESETS), default="quickstart", help="model size; the flags below override it"
+    )
     p.add_argument("--block-size", type=int)
     p.add_argument("--n-layer", type=int)
     p.add_argument("--n-head", type=int)
@@ -383,15 +394,22 @@ def main(argv: list[str] | None = None) -> None:
         gradient_clip_val=1.0,
         log_every_n_steps=10,
         default_root_dir=args.root_dir,
-        callbacks=[ModelCheckpoint(monitor="val/loss", mode="min", save_last=True), LearningRateMonitor(),
-                   PrintValLoss()],
+        callbacks=[
+            ModelCheckpoint(monitor="val/loss", mode="min", save_last=True),
+            LearningRateMonitor(),
+            PrintValLoss(),
+        ],
     )
     if trainer.is_global_zero:
-        print(f"data: {len(train_set.data):,} train / {len(val_set.data):,} val bytes of stdlib source; "
-              f"model: {GPT.count_parameters(config):,} parameters; "
-              f"{trainer.world_size} rank(s), strategy {args.strategy}")
-        print(f"an untrained model scores val/loss ~{math.log(config.vocab_size):.2f} (a uniform guess over "
-              f"{config.vocab_size} byte values); watch it go down:")
+        print(
+            f"data: {len(train_set.data):,} train / {len(val_set.data):,} val bytes of stdlib source; "
+            f"model: {GPT.count_parameters(config):,} parameters; "
+            f"{trainer.world_size} rank(s), strategy {args.strategy}"
+        )
+        print(
+            f"an untrained model scores val/loss ~{math.log(config.vocab_size):.2f} (a uniform guess over "
+            f"{config.vocab_size} byte values); watch it go down:"
+        )
     start = time.perf_counter()
     trainer.fit(module, train_loader, val_loader)
     elapsed = time.perf_counter() - start
@@ -401,8 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = trainer.checkpoint_callback
     best = ckpt.best_model_path or ckpt.last_model_path
     print(f"\ntraining took {elapsed:.1f} s for {trainer.global_step} steps")
-    print(f"TensorBoard logs: {trainer.logger.log_dir}\n"
-          f"  open them with: tensorboard --logdir {args.root_dir}")
+    print(f"TensorBoard logs: {trainer.logger.log_dir}\n  open them with: tensorboard --logdir {args.root_dir}")
     print(f"checkpoint (best val/loss): {best}\n  last: {ckpt.last_model_path}")
     if args.sample_tokens > 0 and best:
         print(f"\nsample from {best}:\n{sample(best, config, args.sample_tokens)}")

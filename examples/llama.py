@@ -35,8 +35,9 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=176, max_seq_len=64),
     "7b": LlamaConfig(),  # Llama 2 7B: 6.74B parameters
     "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, hidden_dim=28672),  # 68.98B
-    "3.1-8b": LlamaConfig(vocab_size=128256, n_kv_heads=8, hidden_dim=14336, max_seq_len=8192,
-                          rope_theta=500000.0),  # Llama 3.1 8B: 8.03B
+    "3.1-8b": LlamaConfig(
+        vocab_size=128256, n_kv_heads=8, hidden_dim=14336, max_seq_len=8192, rope_theta=500000.0
+    ),  # Llama 3.1 8B: 8.03B
 }
 
 

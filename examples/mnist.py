@@ -85,9 +85,11 @@ def mnist_loaders(
         if download or "not found" not in str(error):
             raise
         raw = os.path.join(data_dir, "MNIST", "raw")
-        raise RuntimeError(f"Dataset not found: with --no-download the four MNIST files (train-images-idx3-ubyte, "
-                           f"train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, or their .gz) "
-                           f"must be in {raw}; run once without --no-download to fetch them") from error
+        raise RuntimeError(
+            f"Dataset not found: with --no-download the four MNIST files (train-images-idx3-ubyte, "
+            f"train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, or their .gz) "
+            f"must be in {raw}; run once without --no-download to fetch them"
+        ) from error
     return (
         DataLoader(train, batch_size=batch_size, shuffle=True),
         DataLoader(test, batch_size=test_batch_size, shuffle=False),
@@ -127,8 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-download", action="store_true", help="use the files already in --data-dir")
     p.add_argument("--precision", default="32", choices=["32", "bf16-mixed", "16-mixed", "bf16-true"])
     p.add_argument("--limit-train-batches", type=int, default=None, help="batches per epoch (default: all)")
-    p.add_argument("--auto-wrap-min-params", type=int, default=None,
-                   help="fsdp: make every module with at least this many parameters its own unit")
+    p.add_argument(
+        "--auto-wrap-min-params",
+        type=int,
+        default=None,
+        help="fsdp: make every module with at least this many parameters its own unit",
+    )
     p.add_argument("--root-dir", default="runs", help="TensorBoard logs and checkpoints go here")
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
@@ -139,8 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     seed_everything(args.seed)
     strategy = make_strategy(args.strategy, args.auto_wrap_min_params)
     # before the Trainer starts the other ranks, so only this process downloads
-    train_loader, test_loader = mnist_loaders(args.data_dir, args.batch_size, args.test_batch_size,
-                                              download=not args.no_download)
+    train_loader, test_loader = mnist_loaders(
+        args.data_dir, args.batch_size, args.test_batch_size, download=not args.no_download
+    )
     trainer = Trainer(
         strategy=strategy,
         devices=args.devices,
@@ -159,8 +166,10 @@ def main(argv: list[str] | None = None) -> None:
     report = report() if callable(report) else None  # on every rank, in case it communicates
     if trainer.is_global_zero:
         acc = trainer.callback_metrics.get("val/acc")
-        print(f"\nstrategy {args.strategy} on {trainer.world_size} rank(s): training time {elapsed:.2f} s"
-              + (f", val/acc {float(acc):.4f}" if acc is not None else ""))
+        print(
+            f"\nstrategy {args.strategy} on {trainer.world_size} rank(s): training time {elapsed:.2f} s"
+            + (f", val/acc {float(acc):.4f}" if acc is not None else "")
+        )
         if report is not None:
             print(f"memory report (rank 0):\n{format_memory_report(report)}")
         print(f"TensorBoard logs: {trainer.logger.log_dir}  (tensorboard --logdir {args.root_dir})")

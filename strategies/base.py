@@ -88,8 +88,10 @@ class Strategy:
         self._trace: StepTrace | None = None  # the collectives of the running step (see `tracing`)
         self.compile = resolve_compile(type(self).__name__, compile)
         if compile_options is not None and not isinstance(compile_options, dict):
-            raise TypeError(f"{type(self).__name__}: compile_options must be a dict of torch.compile's keyword "
-                            f"arguments (e.g. {{'mode': 'max-autotune'}}), got {compile_options!r}")
+            raise TypeError(
+                f"{type(self).__name__}: compile_options must be a dict of torch.compile's keyword "
+                f"arguments (e.g. {{'mode': 'max-autotune'}}), got {compile_options!r}"
+            )
         self.compile_options = dict(compile_options or {})
 
     # ---- environment --------------------------------------------------------------------------------
@@ -282,11 +284,13 @@ class Strategy:
         # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         record, self._init_record = self._init_record, None
-        self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record,
-                                     **self.engine_options())
+        self.engine = ShardingEngine(
+            module, self.spec, device=self.root_device, init_record=record, **self.engine_options()
+        )
         if self.compile is not None:
-            compile_in_place(modules_to_compile(module, self.compile, self._units_to_compile(module)),
-                             self.compile_options)
+            compile_in_place(
+                modules_to_compile(module, self.compile, self._units_to_compile(module)), self.compile_options
+            )
         return module
 
     def _units_to_compile(self, module: nn.Module) -> list[nn.Module]:
@@ -339,8 +343,9 @@ class Strategy:
         """
         return self.engine.unsharded(module, write_back)
 
-    def clip_gradients(self, max_norm: float, params: list[torch.Tensor] | None = None,
-                       algorithm: str = "norm") -> torch.Tensor | None:
+    def clip_gradients(
+        self, max_norm: float, params: list[torch.Tensor] | None = None, algorithm: str = "norm"
+    ) -> torch.Tensor | None:
         """Clip the gradients over every rank and shard. Collective.
 
         Args:

@@ -30,8 +30,10 @@ def resolve_compile(owner: str, value: Any) -> bool | WrapPolicy | None:
     try:
         return resolve_wrap_policy(value)
     except TypeError:
-        raise TypeError(f"{owner}: compile={value!r}; use True (the strategy's units), a set of module classes "
-                        "or a callable (module, name) -> bool") from None
+        raise TypeError(
+            f"{owner}: compile={value!r}; use True (the strategy's units), a set of module classes "
+            "or a callable (module, name) -> bool"
+        ) from None
 
 
 def modules_to_compile(root: nn.Module, choice: bool | WrapPolicy, units: list[nn.Module]) -> list[nn.Module]:

@@ -84,8 +84,11 @@ class FSDPStrategy(Strategy):
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
         self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing, "activation_checkpointing")
-        for name, value in [("reshard_after_forward", reshard_after_forward), ("cpu_offload", cpu_offload),
-                            ("activation_offload", activation_offload)]:
+        for name, value in [
+            ("reshard_after_forward", reshard_after_forward),
+            ("cpu_offload", cpu_offload),
+            ("activation_offload", activation_offload),
+        ]:
             if not isinstance(value, bool):
                 raise TypeError(f"FSDPStrategy: {name} must be a bool, got {value!r}")
         self.reshard_after_forward = reshard_after_forward
@@ -104,13 +107,21 @@ class FSDPStrategy(Strategy):
 
     def engine_options(self) -> dict[str, Any]:
         options = UnitOptions(self.mixed_precision.param_dtype, self.mixed_precision.reduce_dtype, self.cpu_offload)
-        return {"wrap_policy": self.auto_wrap_policy, "reshard_after_forward": self.reshard_after_forward,
-                "unit_options": options, "shard_group_size": shard_group_size(self.hybrid_shard, self.world_size),
-                "forward_context": self._offload_activations if self.activation_offload else None}
+        return {
+            "wrap_policy": self.auto_wrap_policy,
+            "reshard_after_forward": self.reshard_after_forward,
+            "unit_options": options,
+            "shard_group_size": shard_group_size(self.hybrid_shard, self.world_size),
+            "forward_context": self._offload_activations if self.activation_offload else None,
+        }
 
     def plan_options(self) -> dict[str, Any]:
-        options = {"wrap_policy": self.auto_wrap_policy, "activation_checkpointing": self.activation_checkpointing,
-                   "param_dtype": self.mixed_precision.param_dtype, "reduce_dtype": self.mixed_precision.reduce_dtype}
+        options = {
+            "wrap_policy": self.auto_wrap_policy,
+            "activation_checkpointing": self.activation_checkpointing,
+            "param_dtype": self.mixed_precision.param_dtype,
+            "reduce_dtype": self.mixed_precision.reduce_dtype,
+        }
         if isinstance(self.hybrid_shard, int):
             options["hybrid_shard"] = self.hybrid_shard
         return options
@@ -139,5 +150,7 @@ class FSDPStrategy(Strategy):
         return super().setup_module(module)
 
     def __repr__(self) -> str:
-        return (f"FSDPStrategy(reshard_after_forward={self.reshard_after_forward}, cpu_offload={self.cpu_offload}, "
-                f"mixed_precision={self.mixed_precision})")
+        return (
+            f"FSDPStrategy(reshard_after_forward={self.reshard_after_forward}, cpu_offload={self.cpu_offload}, "
+            f"mixed_precision={self.mixed_precision})"
+        )

@@ -45,8 +45,10 @@ def check_hybrid_shard(owner: str, value: int | str | None) -> int | str | None:
     """None (shard over every rank), "node" (over the ranks of one machine) or a group size G."""
     if value is None or value == "node" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return value
-    raise ValueError(f"{owner}: hybrid_shard={value!r}; use None, \"node\" (the ranks of one machine) or a "
-                     "positive int, the number of ranks that shard among themselves")
+    raise ValueError(
+        f'{owner}: hybrid_shard={value!r}; use None, "node" (the ranks of one machine) or a '
+        "positive int, the number of ranks that shard among themselves"
+    )
 
 
 def shard_group_size(hybrid_shard: int | str | None, world_size: int) -> int | None:

@@ -37,7 +37,5 @@ def get_strategy(name: str) -> Strategy:
         ValueError: for an unknown name.
     """
     if name not in STRATEGIES:
-        raise ValueError(
-            f"strategy={name!r} is not known; choose one of {['auto', *STRATEGIES]} or pass a Strategy"
-        )
+        raise ValueError(f"strategy={name!r} is not known; choose one of {['auto', *STRATEGIES]} or pass a Strategy")
     return STRATEGIES[name]()

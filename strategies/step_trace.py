@@ -59,8 +59,10 @@ class StepTrace:
             want = self.expected[position] if position < len(self.expected) else None
             if collective != want:
                 repeated = f"repeat {want.describe()} there" if want else "have no more collectives in this step"
-                raise StepMismatch(f"its collective {position + 1} is {collective.describe()}, but the ranks "
-                                   f"without a batch {repeated}")
+                raise StepMismatch(
+                    f"its collective {position + 1} is {collective.describe()}, but the ranks "
+                    f"without a batch {repeated}"
+                )
         self.collectives.append(collective)
 
     def unit_gather(self, index: int, name: str) -> None:
@@ -77,8 +79,10 @@ class StepTrace:
     def finish(self) -> None:
         if self.expected is not None and len(self.collectives) < len(self.expected):
             missing = self.expected[len(self.collectives)]
-            raise StepMismatch(f"it made {len(self.collectives)} collectives, but the ranks without a batch repeat "
-                               f"{len(self.expected)} (the next: {missing.describe()})")
+            raise StepMismatch(
+                f"it made {len(self.collectives)} collectives, but the ranks without a batch repeat "
+                f"{len(self.expected)} (the next: {missing.describe()})"
+            )
 
 
 def first_unrepeatable(collectives: list[Collective]) -> Collective | None:

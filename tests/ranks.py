@@ -78,9 +78,7 @@ class RankPool:
     def _start(self) -> None:
         import torch.distributed as dist
 
-        self._store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_GROUP_TIMEOUT
-        )
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_GROUP_TIMEOUT)
         self._generation = 0
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)

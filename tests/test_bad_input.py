@@ -87,8 +87,12 @@ class Returns(TiedLM):
 
 @pytest.mark.parametrize(
     ("kind", "described"),
-    [("string", "got str"), ("vector", "shape (3,)"), ("dict without loss", "got dict"),
-     ("detached", "requires_grad=False")],
+    [
+        ("string", "got str"),
+        ("vector", "shape (3,)"),
+        ("dict without loss", "got dict"),
+        ("detached", "requires_grad=False"),
+    ],
 )
 def test_training_step_must_return_a_loss(kind, described):
     with pytest.raises(TypeError, match="training_step") as info:
@@ -119,10 +123,16 @@ class SkipsBatches(TiedLM):
         return super().training_step(batch, batch_idx)
 
 
-def fit_skipping(batches: set[int], ranks: set[int] | None, devices: int, batch_size: int,
-                 accumulate: int = 1) -> Trainer:
-    trainer = Trainer(strategy="ddp" if devices > 1 else "single", devices=devices, max_epochs=1,
-                      accumulate_grad_batches=accumulate, **QUIET)
+def fit_skipping(
+    batches: set[int], ranks: set[int] | None, devices: int, batch_size: int, accumulate: int = 1
+) -> Trainer:
+    trainer = Trainer(
+        strategy="ddp" if devices > 1 else "single",
+        devices=devices,
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        **QUIET,
+    )
     trainer.fit(new_model(SkipsBatches, batches=batches, ranks=ranks), loader(batch_size))
     return trainer
 

@@ -144,18 +144,25 @@ def test_checkpoint_names_follow_lightning_templates():
 
 
 def test_state_keys_tell_instances_apart():
-    keys = {ModelCheckpoint(monitor="a").state_key, ModelCheckpoint(monitor="b").state_key,
-            ModelCheckpoint(monitor="a", mode="max").state_key, EarlyStopping("a").state_key,
-            EarlyStopping("b").state_key}
+    keys = {
+        ModelCheckpoint(monitor="a").state_key,
+        ModelCheckpoint(monitor="b").state_key,
+        ModelCheckpoint(monitor="a", mode="max").state_key,
+        EarlyStopping("a").state_key,
+        EarlyStopping("b").state_key,
+    }
     assert len(keys) == 5
 
 
-@pytest.mark.parametrize("mode, values, min_delta, stop_at", [
-    ("min", [5, 4, 3, 3, 3, 3, 2], 0.0, 5),    # three checks without improvement after the best (3)
-    ("min", [5, 4.95, 4.92, 4.91, 4.8], 0.1, 3),  # improvements below min_delta (from the best) do not count
-    ("max", [0.1, 0.5, 0.4, 0.6, 0.6, 0.5, 0.55], 0.0, 6),
-    ("min", [1.0, math.nan], 0.0, 1),          # a non-finite value stops at once
-])
+@pytest.mark.parametrize(
+    "mode, values, min_delta, stop_at",
+    [
+        ("min", [5, 4, 3, 3, 3, 3, 2], 0.0, 5),  # three checks without improvement after the best (3)
+        ("min", [5, 4.95, 4.92, 4.91, 4.8], 0.1, 3),  # improvements below min_delta (from the best) do not count
+        ("max", [0.1, 0.5, 0.4, 0.6, 0.6, 0.5, 0.55], 0.0, 6),
+        ("min", [1.0, math.nan], 0.0, 1),  # a non-finite value stops at once
+    ],
+)
 def test_early_stopping_decision(mode, values, min_delta, stop_at):
     stopper = EarlyStopping("m", mode=mode, min_delta=min_delta, patience=3)
     stops = [stopper.evaluate(float(v))[0] for v in values]
@@ -219,8 +226,15 @@ def loader(batches: int = 4, batch_size: int = 4) -> DataLoader:
 
 
 def make_trainer(root, **kwargs) -> Trainer:
-    options = dict(strategy="auto", devices=1, max_epochs=2, default_root_dir=root, log_every_n_steps=1,
-                   enable_progress_bar=False, enable_checkpointing=False)
+    options = dict(
+        strategy="auto",
+        devices=1,
+        max_epochs=2,
+        default_root_dir=root,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
     return Trainer(**{**options, **kwargs})
 
 
@@ -264,9 +278,11 @@ def test_throughput_monitor_logs_samples_items_and_flops_per_second(tmp_path):
     events = read_events(trainer.log_dir)
     steps = [step for step, _ in scalars(events, "device/samples_per_sec")]
     assert steps == [2, 4, 6, 8]
-    for (_, samples), (_, items), (_, flops) in zip(scalars(events, "device/samples_per_sec"),
-                                                    scalars(events, "device/items_per_sec"),
-                                                    scalars(events, "device/flops_per_sec")):
+    for (_, samples), (_, items), (_, flops) in zip(
+        scalars(events, "device/samples_per_sec"),
+        scalars(events, "device/items_per_sec"),
+        scalars(events, "device/flops_per_sec"),
+    ):
         assert samples > 0 and items == pytest.approx(10 * samples, rel=1e-4)
         assert flops == pytest.approx(96 / 4 * samples, rel=1e-4)
     assert scalars(events, "samples_per_sec") == scalars(events, "device/samples_per_sec")  # one rank
@@ -312,8 +328,7 @@ def test_model_checkpoint_keeps_the_best_k_and_last_and_resumes_its_bookkeeping(
 
     # Resume from `last`: 0.95 at epoch 5 pushes out epoch 3 (0.8); 0.1 at epoch 6 is not kept.
     resumed = ModelCheckpoint(dirpath, monitor="val/score", mode="max", save_top_k=2, save_last=True)
-    trainer = make_trainer(tmp_path, max_epochs=7, callbacks=[resumed], enable_checkpointing=True,
-                           logger=False)
+    trainer = make_trainer(tmp_path, max_epochs=7, callbacks=[resumed], enable_checkpointing=True, logger=False)
     with pytest.warns(UserWarning, match="exists and is not empty"):
         trainer.fit(Regression(schedule), loader(batches=2), loader(batches=1), ckpt_path=dirpath / "last")
     assert checkpoint_dirs(dirpath) == ["epoch=1-step=4", "epoch=5-step=12", "last"]
@@ -340,7 +355,8 @@ def test_max_steps_inside_an_epoch_still_leaves_a_checkpoint(tmp_path):
     assert load_trainer_state(tmp_path / "checkpoints" / "epoch=0-step=3")["state"]["batches_done_in_epoch"] == 3
     saver = ModelCheckpoint(tmp_path / "by_steps", every_n_train_steps=2, save_top_k=-1)
     make_trainer(tmp_path, max_steps=3, callbacks=[saver], enable_checkpointing=True, logger=False).fit(
-        Regression(), loader(batches=8), None)
+        Regression(), loader(batches=8), None
+    )
     assert checkpoint_dirs(tmp_path / "by_steps") == ["epoch=0-step=2"]
 
 
@@ -371,12 +387,23 @@ def _two_rank_body(root: str) -> dict:
     stopper = EarlyStopping("val/score", patience=1)
     saver = ModelCheckpoint(monitor="val/score", save_top_k=2)
     counter = EpochCounter()
-    trainer = make_trainer(root, strategy="ddp", devices=2, max_epochs=5, enable_checkpointing=True,
-                           callbacks=[stopper, saver, counter, LearningRateMonitor()])
+    trainer = make_trainer(
+        root,
+        strategy="ddp",
+        devices=2,
+        max_epochs=5,
+        enable_checkpointing=True,
+        callbacks=[stopper, saver, counter, LearningRateMonitor()],
+    )
     trainer.fit(Regression(schedule), loader(batches=2), loader(batches=1))
-    return {"epochs": counter.epochs, "stopped": stopper.stopped_epoch, "log_dir": trainer.log_dir,
-            "kept": sorted(map(os.path.basename, saver.best_k_models)), "best": saver.best_model_path,
-            "files": sorted(os.listdir(trainer.log_dir))}
+    return {
+        "epochs": counter.epochs,
+        "stopped": stopper.stopped_epoch,
+        "log_dir": trainer.log_dir,
+        "kept": sorted(map(os.path.basename, saver.best_k_models)),
+        "best": saver.best_model_path,
+        "files": sorted(os.listdir(trainer.log_dir)),
+    }
 
 
 def test_two_ranks_take_rank_zero_decisions_and_only_rank_zero_writes(rank_pool, tmp_path):

@@ -104,13 +104,22 @@ def make_strategy(name: str):
 
 
 def make_trainer(root: str, strategy: str, devices: int, max_steps: int, **kwargs) -> Trainer:
-    options = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False, deterministic=True,
-                   default_root_dir=root)
+    options = dict(
+        logger=False, enable_progress_bar=False, enable_checkpointing=False, deterministic=True, default_root_dir=root
+    )
     return Trainer(strategy=make_strategy(strategy), devices=devices, max_steps=max_steps, **{**options, **kwargs})
 
 
-def fit(root: str, strategy: str, devices: int, max_steps: int, ckpt_path: str | None = None,
-        save_to: str | None = None, module_kwargs: dict | None = None, **kwargs) -> tuple[Trainer, LM]:
+def fit(
+    root: str,
+    strategy: str,
+    devices: int,
+    max_steps: int,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+    module_kwargs: dict | None = None,
+    **kwargs,
+) -> tuple[Trainer, LM]:
     seed_everything(0)
     module = LM(**(module_kwargs or {}))
     trainer = make_trainer(root, strategy, devices, max_steps, **kwargs)
@@ -224,8 +233,15 @@ def stored_chunks(path: str) -> dict[str, list[tuple[tuple, tuple, str]]]:
 def test_sharded_checkpoints_hold_the_same_optimizer_state_as_ddp(saved):
     root, _ = saved
     reference = optimizer_state(os.path.join(root, "ddp"))
-    assert set(reference) == {"net.embed.weight", "net.block.0.weight", "net.block.0.bias", "net.block.3.weight",
-                              "net.block.3.bias", "net.norm.weight", "net.norm.bias"}
+    assert set(reference) == {
+        "net.embed.weight",
+        "net.block.0.weight",
+        "net.block.0.bias",
+        "net.block.3.weight",
+        "net.block.3.bias",
+        "net.norm.weight",
+        "net.norm.bias",
+    }
     for strategy in SHARDED:
         state = optimizer_state(os.path.join(root, strategy))
         assert sorted(state) == sorted(reference)
@@ -256,9 +272,10 @@ def test_torch_reads_the_checkpoint_with_its_own_tools_and_keys(saved, tmp_path)
     assert converted["optim"]["param_groups"][0]["params"] == [k for k in full if k != "net.seen"]
     assert converted["trainer"]["state"]["global_step"] == 3 and sorted(converted["rng"]) == ["0", "1"]
 
-    plain = {"model": {k: torch.empty_like(v) for k, v in full.items()},
-             "optim": {"state": {k: {"exp_avg": torch.empty_like(full[k]), "step": torch.tensor(0.0)}
-                                 for k in reference}}}
+    plain = {
+        "model": {k: torch.empty_like(v) for k, v in full.items()},
+        "optim": {"state": {k: {"exp_avg": torch.empty_like(full[k]), "step": torch.tensor(0.0)} for k in reference}},
+    }
     dcp.load(plain, checkpoint_id=path)
     assert_states_close(plain["model"], full, atol=0)
     for name, entries in plain["optim"]["state"].items():
@@ -316,8 +333,13 @@ def test_each_rank_reads_only_the_chunks_that_overlap_its_pieces(saved, rank_poo
             tensors = {(file, offset) for file, offset, _ in result["touched"]} & set(chunks)
             assert tensors and len(tensors) < len(chunks)
             if source == "fsdp":  # the same layout: a rank reads its own file's chunks and no other's
-                tensors = {item for item in tensors if chunks[item].endswith(("exp_avg", "exp_avg_sq"))
-                           or chunks[item].startswith("model.net.") and chunks[item] != "model.net.seen"}
+                tensors = {
+                    item
+                    for item in tensors
+                    if chunks[item].endswith(("exp_avg", "exp_avg_sq"))
+                    or chunks[item].startswith("model.net.")
+                    and chunks[item] != "model.net.seen"
+                }
                 assert {file for file, _ in tensors} == {f"__{result['rank']}_0.distcp"}
 
 
@@ -373,8 +395,11 @@ def _flip_byte(path: str, offset: int | None = None) -> None:
 def _item_of(path: str, prefix: str, file: str) -> tuple[int, int]:
     """(offset, length) of a stored item of a key that starts with `prefix` in `file` of a DCP checkpoint."""
     storage = FileSystemReader(path).read_metadata().storage_data
-    return next((info.offset, info.length) for index, info in storage.items()
-                if index.fqn.startswith(prefix) and info.relative_path == file)
+    return next(
+        (info.offset, info.length)
+        for index, info in storage.items()
+        if index.fqn.startswith(prefix) and info.relative_path == file
+    )
 
 
 def test_a_corrupted_or_truncated_file_is_named_and_refused(saved, tmp_path):
@@ -505,8 +530,10 @@ def test_different_parameter_groups_are_refused_before_anything_is_loaded(saved,
     one_group = os.path.join(root, "fsdp")
     assert refusal(GroupedLM(), one_group) == ["parameter groups of optimizer 0: checkpoint 1, module 2"]
     moved = GroupedLM(first=("net.embed.weight", "net.norm.weight"))
-    assert refusal(moved, str(tmp_path / "grouped.pt")) == ["missing in optimizer 0 group 0: net.norm.weight",
-                                                            "unexpected in optimizer 0 group 1: net.norm.weight"]
+    assert refusal(moved, str(tmp_path / "grouped.pt")) == [
+        "missing in optimizer 0 group 0: net.norm.weight",
+        "unexpected in optimizer 0 group 1: net.norm.weight",
+    ]
     ckpt_io.consolidate(os.path.join(root, "fsdp"), str(tmp_path / "weights.pt"))
     with pytest.raises(ValueError, match=r"weights\.pt' holds weights only"):
         fit(str(tmp_path), "single", 1, max_steps=4, ckpt_path=str(tmp_path / "weights.pt"))
@@ -540,8 +567,14 @@ def _full_body(root: str, strategy: str) -> dict | None:
     first, _ = fit(os.path.join(root, "b"), strategy, 2, 6, save_to=os.path.join(root, "dir"), **args)
     first.save_checkpoint(os.path.join(root, "full.pt"), full=True)
     resumed, _ = fit(os.path.join(root, "c"), strategy, 2, 10, ckpt_path=os.path.join(root, "full.pt"), **args)
-    return rank_zero(resumed, {"final": straight.strategy.full_state_dict(), "step": resumed.global_step,
-                               "resumed": resumed.strategy.full_state_dict()})
+    return rank_zero(
+        resumed,
+        {
+            "final": straight.strategy.full_state_dict(),
+            "step": resumed.global_step,
+            "resumed": resumed.strategy.full_state_dict(),
+        },
+    )
 
 
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp"])
@@ -621,20 +654,31 @@ def _resume_body(root: str, strategy: str, devices: int, stop: int, total: int) 
     first, _ = fit(os.path.join(root, "b"), strategy, devices, stop, save_to=path, **args)
     saved = first.strategy.full_state_dict()
     snapshot = Snapshot()
-    resumed, _ = fit(os.path.join(root, "c"), strategy, devices, total, ckpt_path=path, callbacks=[snapshot],
-                     **args)
-    return rank_zero(resumed, {"final": final, "saved": saved, "start": snapshot.start, "path": path,
-                               "resumed": resumed.strategy.full_state_dict(), "step": resumed.global_step,
-                               "epoch": resumed.current_epoch})
+    resumed, _ = fit(os.path.join(root, "c"), strategy, devices, total, ckpt_path=path, callbacks=[snapshot], **args)
+    return rank_zero(
+        resumed,
+        {
+            "final": final,
+            "saved": saved,
+            "start": snapshot.start,
+            "path": path,
+            "resumed": resumed.strategy.full_state_dict(),
+            "step": resumed.global_step,
+            "epoch": resumed.current_epoch,
+        },
+    )
 
 
-@pytest.mark.parametrize("strategy, devices, stop", [
-    ("single", 1, 6),  # mid-epoch (4 steps per epoch)
-    ("ddp", 2, 4),  # at an epoch boundary
-    ("ddp", 2, 6),
-    ("zero2", 2, 5),
-    ("fsdp", 2, 6),
-])
+@pytest.mark.parametrize(
+    "strategy, devices, stop",
+    [
+        ("single", 1, 6),  # mid-epoch (4 steps per epoch)
+        ("ddp", 2, 4),  # at an epoch boundary
+        ("ddp", 2, 6),
+        ("zero2", 2, 5),
+        ("fsdp", 2, 6),
+    ],
+)
 def test_a_resumed_run_ends_exactly_where_the_uninterrupted_run_ends(rank_pool, tmp_path, strategy, devices, stop):
     total = 10
     args = (str(tmp_path), strategy, devices, stop, total)
@@ -673,20 +717,36 @@ def _last_body(root: str) -> dict | None:
         return ModelCheckpoint(dirpath, every_n_train_steps=3, save_last=True, save_top_k=2)
 
     # The first run is started as a restarted one would be: "last" finds nothing yet and training starts afresh.
-    first, _ = fit(os.path.join(root, "b"), "zero1", 2, 7, ckpt_path="last", callbacks=[saver()],
-                   enable_checkpointing=True, **args)
+    first, _ = fit(
+        os.path.join(root, "b"), "zero1", 2, 7, ckpt_path="last", callbacks=[saver()], enable_checkpointing=True, **args
+    )
     listed = sorted(os.listdir(dirpath))
     if first.is_global_zero:
         _plant_incomplete_checkpoints(dirpath)
     first.strategy.barrier()
     snapshot = Snapshot()
-    resumed, _ = fit(os.path.join(root, "c"), "zero1", 2, 10, ckpt_path="last", callbacks=[saver(), snapshot],
-                     enable_checkpointing=True, **args)
-    return rank_zero(resumed, {
-        "first_ckpt_path": first.ckpt_path, "listed": listed, "resumed_from": resumed.ckpt_path,
-        "start_step": snapshot.start["global_step"], "step": resumed.global_step,
-        "final": straight.strategy.full_state_dict(), "resumed": resumed.strategy.full_state_dict(),
-    })
+    resumed, _ = fit(
+        os.path.join(root, "c"),
+        "zero1",
+        2,
+        10,
+        ckpt_path="last",
+        callbacks=[saver(), snapshot],
+        enable_checkpointing=True,
+        **args,
+    )
+    return rank_zero(
+        resumed,
+        {
+            "first_ckpt_path": first.ckpt_path,
+            "listed": listed,
+            "resumed_from": resumed.ckpt_path,
+            "start_step": snapshot.start["global_step"],
+            "step": resumed.global_step,
+            "final": straight.strategy.full_state_dict(),
+            "resumed": resumed.strategy.full_state_dict(),
+        },
+    )
 
 
 def test_fit_resumes_from_the_newest_complete_checkpoint_with_last(rank_pool, tmp_path):
@@ -710,8 +770,9 @@ def test_last_finds_the_checkpoints_of_an_earlier_logger_version(tmp_path):
     first, _ = fit(str(tmp_path), "single", 1, 5, callbacks=[ModelCheckpoint(every_n_train_steps=2)], **options)
     snapshot = Snapshot()
     with pytest.warns(UserWarning, match="dirpath changed"):
-        second, _ = fit(str(tmp_path), "single", 1, 6, callbacks=[ModelCheckpoint(every_n_train_steps=2), snapshot],
-                        **options)
+        second, _ = fit(
+            str(tmp_path), "single", 1, 6, callbacks=[ModelCheckpoint(every_n_train_steps=2), snapshot], **options
+        )
 
     assert first.ckpt_path is None
     assert os.path.basename(second.log_dir) == "version_1"
@@ -722,6 +783,7 @@ def test_last_finds_the_checkpoints_of_an_earlier_logger_version(tmp_path):
 def test_a_checkpoint_saved_after_validate_resumes_a_fit_that_checkpoints(tmp_path):
     """A checkpoint saved after validate() records the stage it was saved in; resuming fit from it must still be
     a fit (ModelCheckpoint saves only while fitting)."""
+
     class Validated(LM):
         def validation_step(self, batch, batch_idx):
             x, y = batch
@@ -733,8 +795,15 @@ def test_a_checkpoint_saved_after_validate_resumes_a_fit_that_checkpoints(tmp_pa
     trainer.save_checkpoint(str(tmp_path / "after_validate"))
     dirpath = tmp_path / "resumed"
     saver = ModelCheckpoint(dirpath=str(dirpath), every_n_train_steps=1)
-    resumed, _ = fit(str(tmp_path), "single", 1, 6, ckpt_path=str(tmp_path / "after_validate"), callbacks=[saver],
-                     enable_checkpointing=True)
+    resumed, _ = fit(
+        str(tmp_path),
+        "single",
+        1,
+        6,
+        ckpt_path=str(tmp_path / "after_validate"),
+        callbacks=[saver],
+        enable_checkpointing=True,
+    )
     assert resumed.global_step == 6 and resumed.state.stage == "fit"
     assert os.listdir(dirpath) == ["epoch=1-step=6"]  # saved every step; save_top_k=1 keeps the newest
 
@@ -795,8 +864,16 @@ class SaveAtStart(Callback):
 def _reshard_phase(root: str, strategy: str, devices: int, source: str | None, max_steps: int) -> None:
     name = f"{strategy}{devices}"
     callbacks = [SaveAtStart(os.path.join(root, f"{name}-loaded"))] if source else []
-    fit(os.path.join(root, name), strategy, devices, max_steps, ckpt_path=source,
-        save_to=os.path.join(root, name + "-end"), callbacks=callbacks, module_kwargs={"optimizer": "sgd"})
+    fit(
+        os.path.join(root, name),
+        strategy,
+        devices,
+        max_steps,
+        ckpt_path=source,
+        save_to=os.path.join(root, name + "-end"),
+        callbacks=callbacks,
+        module_kwargs={"optimizer": "sgd"},
+    )
 
 
 def _assert_same_checkpoint_state(a: str, b: str, atol: float) -> None:

@@ -88,8 +88,10 @@ def _model_checkpoint_body(root: str, async_save: bool) -> dict | None:
     saver = ModelCheckpoint(dirpath, every_n_train_steps=2, save_top_k=2, save_last=True, async_save=async_save)
     trainer, _ = fit(os.path.join(root, "logs"), "fsdp", 2, 7, callbacks=[saver], enable_checkpointing=True)
     names = sorted(os.listdir(dirpath))
-    return rank_zero(trainer, {"names": names, "checkpoints": {
-        name: ckpt_io.load_checkpoint(os.path.join(dirpath, name)) for name in names}})
+    return rank_zero(
+        trainer,
+        {"names": names, "checkpoints": {name: ckpt_io.load_checkpoint(os.path.join(dirpath, name)) for name in names}},
+    )
 
 
 def test_model_checkpoint_async_saves_what_sync_saves(rank_pool, tmp_path):

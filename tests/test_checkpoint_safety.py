@@ -74,8 +74,10 @@ def test_a_one_file_checkpoint_with_a_planted_pickle_runs_nothing_at_any_entry_p
         fit(str(tmp_path), "single", 1, max_steps=1, ckpt_path=planted)
     with refused(named):
         make_trainer(str(tmp_path), "single", 1, max_steps=1).validate(Plain(), loader(), ckpt_path=planted)
-    for command in (["export", planted, str(tmp_path / "st"), "--format", "safetensors"],
-                    ["consolidate", planted, str(tmp_path / "out.pt")]):
+    for command in (
+        ["export", planted, str(tmp_path / "st"), "--format", "safetensors"],
+        ["consolidate", planted, str(tmp_path / "out.pt")],
+    ):
         with pytest.raises(SystemExit) as exited:
             ckpt_io.main(command)
         assert exited.value.code == 2
@@ -152,8 +154,9 @@ def _resume_body(root: str) -> str | None:
 
 def test_every_rank_refuses_the_planted_item_of_a_sharded_run(rank_pool, tmp_path, marker):
     errors = rank_pool(2).run(_resume_body, str(tmp_path))
-    assert all(error is not None and "item 'trainer' in __0_0.distcp" in error and "posix.system" in error
-               for error in errors), errors
+    assert all(
+        error is not None and "item 'trainer' in __0_0.distcp" in error and "posix.system" in error for error in errors
+    ), errors
     assert not marker.exists()
 
 
@@ -192,8 +195,9 @@ def _plant_metadata(path: str, marker: pathlib.Path) -> None:
     with open(os.path.join(path, ckpt_format.META_FILE)) as f:
         meta = json.load(f)
     meta.pop("checksum")
-    meta["files"][ckpt_format.DCP_METADATA] = ckpt_format.file_integrity(path, ckpt_format.DCP_METADATA,
-                                                                         [(0, os.path.getsize(metadata))])
+    meta["files"][ckpt_format.DCP_METADATA] = ckpt_format.file_integrity(
+        path, ckpt_format.DCP_METADATA, [(0, os.path.getsize(metadata))]
+    )
     ckpt_format.write_meta(path, meta)
 
 
@@ -246,8 +250,14 @@ class Loaders(DataModule):
 class Plain(LM):
     """Hyperparameters and on_save_checkpoint contents of the types a run keeps."""
 
-    def __init__(self, lr: float = 0.01, layers: tuple = (2, 3), root: pathlib.Path = pathlib.Path("/data"),
-                 schedule: dict | None = None, optimizer: str = "adam") -> None:
+    def __init__(
+        self,
+        lr: float = 0.01,
+        layers: tuple = (2, 3),
+        root: pathlib.Path = pathlib.Path("/data"),
+        schedule: dict | None = None,
+        optimizer: str = "adam",
+    ) -> None:
         super().__init__(optimizer)
         self.save_hyperparameters()
 
@@ -261,11 +271,22 @@ class Plain(LM):
 
 
 def test_what_the_project_writes_loads_without_the_opt_in(tmp_path):
-    callbacks = [ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), monitor="val/loss", save_last=True),
-                 EarlyStopping(monitor="val/loss", patience=5), EMA(decay=0.9)]
+    callbacks = [
+        ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), monitor="val/loss", save_last=True),
+        EarlyStopping(monitor="val/loss", patience=5),
+        EMA(decay=0.9),
+    ]
     seed_everything(0)
-    trainer = make_trainer(str(tmp_path), "single", 1, max_steps=4, callbacks=callbacks, enable_checkpointing=True,
-                           limit_val_batches=1, val_check_interval=2)
+    trainer = make_trainer(
+        str(tmp_path),
+        "single",
+        1,
+        max_steps=4,
+        callbacks=callbacks,
+        enable_checkpointing=True,
+        limit_val_batches=1,
+        val_check_interval=2,
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*trust_pickled")  # no such warning while saving
         trainer.fit(Plain(schedule={"warmup": [1, 2]}), datamodule=Loaders())
@@ -273,15 +294,21 @@ def test_what_the_project_writes_loads_without_the_opt_in(tmp_path):
     last = ckpt_io.find_last(str(tmp_path / "ckpts"))
     for path in (last, str(tmp_path / "full.pt")):
         state = ckpt_io.load_trainer_state(path)
-        assert state["hparams"] == {"lr": 0.01, "layers": (2, 3), "root": pathlib.Path("/data"),
-                                    "schedule": {"warmup": [1, 2]}, "optimizer": "adam"}
+        assert state["hparams"] == {
+            "lr": 0.01,
+            "layers": (2, 3),
+            "root": pathlib.Path("/data"),
+            "schedule": {"warmup": [1, 2]},
+            "optimizer": "adam",
+        }
         assert state["module_extra"]["dtype"] is torch.bfloat16 and state["datamodule"]["epoch"] == 0
         assert state["module_extra"]["hparams"]["lr"] == 0.01
         assert {key.split("{")[0] for key in state["callbacks"]} >= {"EMA", "EarlyStopping", "ModelCheckpoint"}
         assert ckpt_io.load_checkpoint(path)["rng"]
         ckpt_io.load_full_state_dict(path, ema=True)
-    resumed = make_trainer(str(tmp_path / "again"), "single", 1, max_steps=6,
-                           callbacks=[EMA(decay=0.9)], limit_val_batches=1)
+    resumed = make_trainer(
+        str(tmp_path / "again"), "single", 1, max_steps=6, callbacks=[EMA(decay=0.9)], limit_val_batches=1
+    )
     resumed.fit(Plain(), datamodule=Loaders(), ckpt_path=last)
     assert resumed.global_step == 6
     Plain.load_from_checkpoint(last)

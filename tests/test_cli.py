@@ -32,8 +32,9 @@ script = importlib.import_module("tests.scripts.cli_regression")
 
 def cli(*args: str, **kwargs) -> CLI:
     """The script's CLI in this process, raising ConfigError instead of exiting."""
-    return CLI(script.Regressor, script.RegressionData, args=list(args), parser_kwargs={"exit_on_error": False},
-               **kwargs)
+    return CLI(
+        script.Regressor, script.RegressionData, args=list(args), parser_kwargs={"exit_on_error": False}, **kwargs
+    )
 
 
 def refused(*args: str) -> str:
@@ -43,11 +44,16 @@ def refused(*args: str) -> str:
 
 
 def run_script(*args: str, backend: str = "shardtrain", timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                          "MASTER_PORT", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED")
+    }
     env.update(OMP_NUM_THREADS="1", CLI_BACKEND=backend, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     return proc
 
@@ -65,8 +71,15 @@ def python_run(root: Path, momentum: float = 0.9) -> dict[str, torch.Tensor]:
     model = script.Regressor(hidden=6, lr=0.05)
     model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     data = script.RegressionData(batch_size=8, num_samples=32)
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_val_batches=1, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=str(root))
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        limit_val_batches=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+    )
     trainer.fit(model, datamodule=data)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -74,8 +87,15 @@ def python_run(root: Path, momentum: float = 0.9) -> dict[str, torch.Tensor]:
 # ---- the same run, three ways ---------------------------------------------------------------------------------
 @pytest.mark.distributed  # runs the script in processes of its own
 def test_cli_script_and_yaml_end_with_the_weights_of_the_python_run_and_of_lightning(tmp_path):
-    run_script("fit", "--config", str(YAML), "--config", str(OPTIMIZER_YAML), "--trainer.default_root_dir",
-               str(tmp_path / "cli"))
+    run_script(
+        "fit",
+        "--config",
+        str(YAML),
+        "--config",
+        str(OPTIMIZER_YAML),
+        "--trainer.default_root_dir",
+        str(tmp_path / "cli"),
+    )
     expected = python_run(tmp_path / "python")
     ours = last_weights(tmp_path / "cli")
     assert set(ours) == set(expected)
@@ -83,8 +103,16 @@ def test_cli_script_and_yaml_end_with_the_weights_of_the_python_run_and_of_light
         torch.testing.assert_close(ours[key], expected[key], rtol=0, atol=0, msg=key)
     # the same script and files under Lightning's own LightningCLI (only the imports differ)
     pytest.importorskip("lightning")
-    run_script("fit", "--config", str(YAML), "--config", str(OPTIMIZER_YAML), "--trainer.default_root_dir",
-               str(tmp_path / "lightning"), backend="lightning")
+    run_script(
+        "fit",
+        "--config",
+        str(YAML),
+        "--config",
+        str(OPTIMIZER_YAML),
+        "--trainer.default_root_dir",
+        str(tmp_path / "lightning"),
+        backend="lightning",
+    )
     theirs = last_weights(tmp_path / "lightning")
     for key in expected:
         torch.testing.assert_close(theirs[key], expected[key], rtol=1e-6, atol=1e-7, msg=key)
@@ -96,8 +124,17 @@ def test_cli_script_and_yaml_end_with_the_weights_of_the_python_run_and_of_light
 
 
 def test_resolved_config_is_saved_beside_the_logs_in_every_checkpoint_and_given_to_the_loggers(tmp_path):
-    run = cli("fit", "--config", str(YAML), "--trainer.max_epochs", "1", "--trainer.logger", "callbacks.CSVLogger",
-              "--trainer.logger.save_dir", str(tmp_path / "logs"))
+    run = cli(
+        "fit",
+        "--config",
+        str(YAML),
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.logger",
+        "callbacks.CSVLogger",
+        "--trainer.logger.save_dir",
+        str(tmp_path / "logs"),
+    )
     assert isinstance(run.trainer.logger, CSVLogger)
     log_dir = Path(run.trainer.log_dir)
     saved = (log_dir / "config.yaml").read_text()
@@ -114,8 +151,17 @@ def test_resolved_config_is_saved_beside_the_logs_in_every_checkpoint_and_given_
 
 def test_fit_ckpt_path_last_resumes_with_the_saved_config_under_the_command_line(tmp_path):
     root = str(tmp_path / "runs")
-    first = cli("fit", "--config", str(YAML), "--model.hidden", "5", "--trainer.max_epochs", "1",
-                "--trainer.default_root_dir", root)
+    first = cli(
+        "fit",
+        "--config",
+        str(YAML),
+        "--model.hidden",
+        "5",
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.default_root_dir",
+        root,
+    )
     assert first.trainer.global_step == 4
     # no --config: the model's width (5, not the default 8) comes from the config saved in the checkpoint
     resumed = cli("fit", "--ckpt_path", "last", "--trainer.max_epochs", "2", "--trainer.default_root_dir", root)
@@ -126,8 +172,19 @@ def test_fit_ckpt_path_last_resumes_with_the_saved_config_under_the_command_line
 
 @pytest.mark.distributed  # runs the script in processes of its own
 def test_devices_2_re_runs_the_same_command_on_every_rank(tmp_path):
-    run_script("fit", "--config", str(YAML), "--trainer.devices", "2", "--trainer.strategy", "ddp",
-               "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(tmp_path))
+    run_script(
+        "fit",
+        "--config",
+        str(YAML),
+        "--trainer.devices",
+        "2",
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+    )
     configs = sorted(tmp_path.rglob("config.yaml"))
     log_configs = [p for p in configs if p.parent.name.startswith("version_")]
     assert len(log_configs) == 1, configs  # saved once (rank 0)
@@ -226,23 +283,38 @@ def test_jsonargparse_is_an_optional_dependency_named_when_missing(monkeypatch):
 
 def test_subclass_mode_takes_class_path_and_init_args(tmp_path, capsys):
     config = tmp_path / "subclass.yaml"
-    config.write_text("model:\n  class_path: tests.scripts.cli_regression.Regressor\n  init_args:\n    hidden: 3\n"
-                      "data:\n  class_path: tests.scripts.cli_regression.RegressionData\n")
+    config.write_text(
+        "model:\n  class_path: tests.scripts.cli_regression.Regressor\n  init_args:\n    hidden: 3\n"
+        "data:\n  class_path: tests.scripts.cli_regression.RegressionData\n"
+    )
     args = ["fit", "--config", str(config), "--model.init_args.lr", "0.2", "--print_config"]
     with pytest.raises(SystemExit):
         CLI(args=args, parser_kwargs={"exit_on_error": False})  # no classes given: any TrainModule / DataModule
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["class_path"] == "tests.scripts.cli_regression.Regressor"
     assert printed["model"]["init_args"] == {"hidden": 3, "lr": 0.2}
-    with pytest.raises(ConfigError, match=r"unknown key 'model.init_args.hiden' \(the command line flag "
-                                          r"--model.init_args.hiden\): Regressor takes no argument 'hiden'"):
-        CLI(script.Regressor, script.RegressionData, subclass_mode_model=True, parser_kwargs={"exit_on_error": False},
-            args=["fit", "--model", "Regressor", "--model.init_args.hiden", "4"])
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'model.init_args.hiden' \(the command line flag "
+        r"--model.init_args.hiden\): Regressor takes no argument 'hiden'",
+    ):
+        CLI(
+            script.Regressor,
+            script.RegressionData,
+            subclass_mode_model=True,
+            parser_kwargs={"exit_on_error": False},
+            args=["fit", "--model", "Regressor", "--model.init_args.hiden", "4"],
+        )
 
 
 def test_run_false_builds_the_objects_without_subcommands():
-    built = CLI(script.Regressor, script.RegressionData, run=False, parser_kwargs={"exit_on_error": False},
-                args=["--model.hidden", "3", "--trainer.max_epochs", "1", "--trainer.logger", "false"])
+    built = CLI(
+        script.Regressor,
+        script.RegressionData,
+        run=False,
+        parser_kwargs={"exit_on_error": False},
+        args=["--model.hidden", "3", "--trainer.max_epochs", "1", "--trainer.logger", "false"],
+    )
     assert built.model.net[0].out_features == 3 and built.trainer.max_epochs == 1
     assert built.trainer.global_step == 0 and built.subcommand is None
 
@@ -256,8 +328,13 @@ def test_a_function_that_builds_the_model_is_configured_by_its_signature(capsys)
         """
         return script.Regressor(hidden=width)
 
-    built = CLI(small_regressor, script.RegressionData, run=False, parser_kwargs={"exit_on_error": False},
-                args=["--model.width", "3", "--trainer.logger", "false"])
+    built = CLI(
+        small_regressor,
+        script.RegressionData,
+        run=False,
+        parser_kwargs={"exit_on_error": False},
+        args=["--model.width", "3", "--trainer.logger", "false"],
+    )
     assert isinstance(built.model, script.Regressor) and built.model.net[0].out_features == 3
 
 
@@ -272,12 +349,38 @@ def test_a_section_in_a_file_of_its_own_is_read_relative_to_its_config(tmp_path,
 
 
 def test_ckpt_path_last_looks_where_the_configured_model_checkpoint_saves(tmp_path):
-    flags = ["--config", str(YAML), "--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath",
-             str(tmp_path / "ckpt"), "--trainer.logger", "false"]
-    cli("fit", *flags, "--model.hidden", "5", "--trainer.max_epochs", "1", "--trainer.default_root_dir",
-        str(tmp_path / "first"))
-    resumed = cli("fit", "--ckpt_path", "last", "--trainer.max_epochs", "2", "--trainer.callbacks+=ModelCheckpoint",
-                  "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.logger", "false",
-                  "--trainer.default_root_dir", str(tmp_path / "second"))
+    flags = [
+        "--config",
+        str(YAML),
+        "--trainer.callbacks+=ModelCheckpoint",
+        "--trainer.callbacks.dirpath",
+        str(tmp_path / "ckpt"),
+        "--trainer.logger",
+        "false",
+    ]
+    cli(
+        "fit",
+        *flags,
+        "--model.hidden",
+        "5",
+        "--trainer.max_epochs",
+        "1",
+        "--trainer.default_root_dir",
+        str(tmp_path / "first"),
+    )
+    resumed = cli(
+        "fit",
+        "--ckpt_path",
+        "last",
+        "--trainer.max_epochs",
+        "2",
+        "--trainer.callbacks+=ModelCheckpoint",
+        "--trainer.callbacks.dirpath",
+        str(tmp_path / "ckpt"),
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path / "second"),
+    )
     assert resumed.resumed_from.startswith(str(tmp_path / "ckpt"))
     assert resumed.model.net[0].out_features == 5 and resumed.trainer.global_step == 8

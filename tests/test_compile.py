@@ -44,9 +44,12 @@ class NoRecompileAfterStep2(Callback):
 
 def compiled(name: str, options: dict, classes: set = frozenset({Block})):
     kwargs = {"compile": set(classes), "compile_options": options}
-    return {"ddp": lambda: DDPStrategy(**kwargs), "zero1": lambda: ZeroStrategy(1, **kwargs),
-            "zero2": lambda: ZeroStrategy(2, **kwargs),
-            "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, **kwargs)}[name]()
+    return {
+        "ddp": lambda: DDPStrategy(**kwargs),
+        "zero1": lambda: ZeroStrategy(1, **kwargs),
+        "zero2": lambda: ZeroStrategy(2, **kwargs),
+        "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, **kwargs),
+    }[name]()
 
 
 def body_compiled_against_eager(steps: int = 4) -> dict | None:
@@ -55,8 +58,15 @@ def body_compiled_against_eager(steps: int = 4) -> dict | None:
         for mode in ("eager", "compiled"):
             strategy = make_strategy(name) if mode == "eager" else compiled(name, STRICT)
             callbacks = [NoRecompileAfterStep2()] if mode == "compiled" else []
-            trainer = fit(new_model(optimizer="adamw"), strategy, world_size(), PER_RANK_BATCH, steps=steps,
-                          dataset=token_dataset(48), callbacks=callbacks)
+            trainer = fit(
+                new_model(optimizer="adamw"),
+                strategy,
+                world_size(),
+                PER_RANK_BATCH,
+                steps=steps,
+                dataset=token_dataset(48),
+                callbacks=callbacks,
+            )
             out[(name, mode)] = trainer.strategy.full_state_dict()
     return out if dist.get_rank() == 0 else None
 
@@ -113,11 +123,18 @@ def body_gpt_with_inductor(compile_: bool, optimizer: str = "sgd", bias: bool = 
     from examples.gpt import Block as GPTBlock
 
     torch.manual_seed(0)
-    strategy = FSDPStrategy(auto_wrap_policy={GPTBlock}, compile={GPTBlock} if compile_ else None,
-                            compile_options={"fullgraph": True})
-    trainer = Trainer(strategy=strategy, devices=dist.get_world_size(), max_steps=4, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False,
-                      callbacks=[NoRecompileAfterStep2()] if compile_ else [])
+    strategy = FSDPStrategy(
+        auto_wrap_policy={GPTBlock}, compile={GPTBlock} if compile_ else None, compile_options={"fullgraph": True}
+    )
+    trainer = Trainer(
+        strategy=strategy,
+        devices=dist.get_world_size(),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[NoRecompileAfterStep2()] if compile_ else [],
+    )
     trainer.fit(TinyGPT(optimizer, bias), gpt_loader())
     return {name.removeprefix("model."): value for name, value in trainer.strategy.full_state_dict().items()}
 
@@ -161,8 +178,15 @@ def body_hf_gpt2_blocks_compile_whole() -> bool:
 
     torch.manual_seed(0)
     strategy = FSDPStrategy(auto_wrap_policy={GPT2Block}, compile={GPT2Block}, compile_options=STRICT)
-    trainer = Trainer(strategy=strategy, devices=dist.get_world_size(), max_steps=4, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, callbacks=[NoRecompileAfterStep2()])
+    trainer = Trainer(
+        strategy=strategy,
+        devices=dist.get_world_size(),
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[NoRecompileAfterStep2()],
+    )
     trainer.fit(TinyGPT2(), DataLoader(TensorDataset(tokens()), batch_size=2))
     return trainer.global_step == 4
 
@@ -177,24 +201,40 @@ def test_huggingface_gpt2_blocks_compile_without_graph_breaks(rank_pool):
 def test_checkpoints_move_between_compiled_and_eager_runs(tmp_path):
     """One process: compiled fsdp saves; an eager run resumes it and continues where an eager run would be."""
     path = os.path.join(tmp_path, "compiled")
-    trainer = fit(new_model(optimizer="adamw"), compiled("fsdp", STRICT), 1, PER_RANK_BATCH, steps=2,
-                  dataset=token_dataset(48))
+    trainer = fit(
+        new_model(optimizer="adamw"), compiled("fsdp", STRICT), 1, PER_RANK_BATCH, steps=2, dataset=token_dataset(48)
+    )
     trainer.save_checkpoint(path)
     assert not any("_orig_mod" in key for key in load_full_state_dict(path))
-    resumed = Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}), devices=1, max_steps=4, max_epochs=1,
-                      accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False)
-    resumed.fit(new_model(optimizer="adamw"), DataLoader(token_dataset(48), batch_size=PER_RANK_BATCH),
-                ckpt_path=path)
-    uninterrupted = fit(new_model(optimizer="adamw"), make_strategy("fsdp"), 1, PER_RANK_BATCH, steps=4,
-                        dataset=token_dataset(48))
+    resumed = Trainer(
+        strategy=FSDPStrategy(auto_wrap_policy={Block}),
+        devices=1,
+        max_steps=4,
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    resumed.fit(new_model(optimizer="adamw"), DataLoader(token_dataset(48), batch_size=PER_RANK_BATCH), ckpt_path=path)
+    uninterrupted = fit(
+        new_model(optimizer="adamw"), make_strategy("fsdp"), 1, PER_RANK_BATCH, steps=4, dataset=token_dataset(48)
+    )
     difference = max_relative_difference(resumed.strategy.full_state_dict(), uninterrupted.strategy.full_state_dict())
     assert difference <= 1e-4
 
 
 def test_trainer_compile_true_compiles_the_strategys_units():
-    trainer = Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}), devices=1, max_steps=1, compile=True,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(
+        strategy=FSDPStrategy(auto_wrap_policy={Block}),
+        devices=1,
+        max_steps=1,
+        compile=True,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.strategy.compile_options = {"backend": "aot_eager"}
     module = new_model()
     trainer.fit(module, DataLoader(token_dataset(), batch_size=2))

@@ -53,16 +53,29 @@ class SkipsBackward(TiedLM):
 
 
 def _fit(cls: type, strategy, detect: bool = True, **kwargs) -> Trainer:
-    trainer = Trainer(strategy=strategy, devices=2, max_steps=3, max_epochs=1, logger=False, timeout=180,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      detect_divergence=detect, **kwargs)
+    trainer = Trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=3,
+        max_epochs=1,
+        logger=False,
+        timeout=180,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        detect_divergence=detect,
+        **kwargs,
+    )
     trainer.fit(new_model(cls), DataLoader(token_dataset(), batch_size=2))
     return trainer
 
 
 def _body(name: str) -> None:
-    cls, strategy = {"forward": (ExtraForward, FSDPStrategy(auto_wrap_policy={Block})),
-                     "all_gather": (ExtraAllGather, "ddp"), "backward": (SkipsBackward, "ddp")}[name]
+    cls, strategy = {
+        "forward": (ExtraForward, FSDPStrategy(auto_wrap_policy={Block})),
+        "all_gather": (ExtraAllGather, "ddp"),
+        "backward": (SkipsBackward, "ddp"),
+    }[name]
     _fit(cls, strategy)
 
 
@@ -106,8 +119,13 @@ def test_a_rank_that_skips_backward_is_named(rank_pool):
 def _healthy_body() -> float:
     os.environ["SHARDTRAIN_DETECT_DIVERGENCE"] = "1"
     try:
-        trainer = _fit(TiedLM, FSDPStrategy(auto_wrap_policy={Block}), detect=False, accumulate_grad_batches=2,
-                       gradient_clip_val=0.5)
+        trainer = _fit(
+            TiedLM,
+            FSDPStrategy(auto_wrap_policy={Block}),
+            detect=False,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+        )
     finally:
         del os.environ["SHARDTRAIN_DETECT_DIVERGENCE"]
     assert trainer.detect_divergence

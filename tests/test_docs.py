@@ -66,8 +66,11 @@ def parse(path: Path) -> Page:
             code = "\n".join(text[indent:] for text in lines[i + 1 : end])
             previous = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
             mark = MARK.match(previous)
-            page.blocks.append(Block(fence.group(1), code, i + 1, mark.group(1) if mark else None,
-                                     (mark.group(2) or "") if mark else ""))
+            page.blocks.append(
+                Block(
+                    fence.group(1), code, i + 1, mark.group(1) if mark else None, (mark.group(2) or "") if mark else ""
+                )
+            )
             i = end + 1
             continue
         i += 1
@@ -95,12 +98,14 @@ def test_every_block_is_run_or_says_why_not(path: Path):
             assert block.reason, f"{where(page, block)}: 'not run' needs its reason"
         if block.mark == "tested by":
             file, _, test = block.reason.partition("::")
-            assert test and re.search(rf"def {re.escape(test)}\b", (ROOT / file).read_text()), \
+            assert test and re.search(rf"def {re.escape(test)}\b", (ROOT / file).read_text()), (
                 f"{where(page, block)}: {block.reason} is not a test"
+            )
 
 
-RUNNABLE = [p for p in PAGES if any(b.mark is None and b.language == "python" or b.mark == "run"
-                                    for b in parse(p).blocks)]
+RUNNABLE = [
+    p for p in PAGES if any(b.mark is None and b.language == "python" or b.mark == "run" for b in parse(p).blocks)
+]
 
 
 def run_page_script(script: str, workdir: str) -> None:
@@ -133,16 +138,18 @@ def run_module(module: str, argv: list[str], workdir: Path) -> None:
 def test_the_examples_of_a_page_run(path: Path, tmp_path: Path, rank_pool):
     page = parse(path)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    script = page.setup + "".join(f"\n# {where(page, b)}\n{b.code}\n" for b in page.blocks
-                                  if b.language == "python" and b.mark is None)
+    script = page.setup + "".join(
+        f"\n# {where(page, b)}\n{b.code}\n" for b in page.blocks if b.language == "python" and b.mark is None
+    )
     (tmp_path / "page.py").write_text(script)
     if "devices=2" in script:  # two ranks: the test ranks (started once) rather than two new interpreters
         rank_pool(2).run(run_page_script, script, str(tmp_path))
     elif script.strip() and "init_process_group" not in script and "os.environ" not in script:
         run_page_script(script, str(tmp_path))  # one process: this one, as the suite's one-rank tests run
     elif script.strip():  # it sets up torch.distributed or the environment itself: a process of its own
-        done = subprocess.run([sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run(
+            [sys.executable, "page.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, f"{path.name}'s blocks failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     for block in (b for b in page.blocks if b.mark == "run"):
         for command in (c for c in block.code.replace("\\\n", " ").splitlines() if c.strip()):

@@ -50,8 +50,9 @@ class Recorded(TrainModule):
 
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(SAMPLES, FEATURES, generator=g), torch.randn(SAMPLES, 1, generator=g),
-                         torch.arange(SAMPLES))
+    return TensorDataset(
+        torch.randn(SAMPLES, FEATURES, generator=g), torch.randn(SAMPLES, 1, generator=g), torch.arange(SAMPLES)
+    )
 
 
 class Augmented(TensorDataset):
@@ -69,20 +70,32 @@ def body_fit(root: str, strategy: str, ckpt_path: str | None = None, workers: in
     """One run on this pool's ranks: the weights, every rank's trained samples by epoch, the warnings."""
     seed_everything(0)
     module = Recorded()
-    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=1, save_top_k=-1,
-                                 filename="{step}")]
+    callbacks = [
+        ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    ]
     trainer_kwargs.setdefault("global_batch_size", GLOBAL)
-    trainer = Trainer(strategy=get_strategy(strategy), devices=dist.get_world_size(), max_steps=STEPS,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-                      default_root_dir=root, **trainer_kwargs)
+    trainer = Trainer(
+        strategy=get_strategy(strategy),
+        devices=dist.get_world_size(),
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+        **trainer_kwargs,
+    )
     # with workers, random augmentation: each sample is loaded with a random state of its own, at any world size
     loader = DataLoader(Augmented() if workers else dataset(), batch_size=BATCH, shuffle=True, num_workers=workers)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, loader, ckpt_path=ckpt_path)
-    return {"weights": trainer.strategy.full_state_dict(), "trained": _gathered(module.trained),
-            "accumulate": trainer.accumulate_grad_batches,
-            "warnings": [str(w.message) for w in caught]}
+    return {
+        "weights": trainer.strategy.full_state_dict(),
+        "trained": _gathered(module.trained),
+        "accumulate": trainer.accumulate_grad_batches,
+        "warnings": [str(w.message) for w in caught],
+    }
 
 
 def _gathered(items: list[int]) -> list[list[int]]:
@@ -91,13 +104,17 @@ def _gathered(items: list[int]) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("strategy, before, after, workers", [
-    ("ddp", 4, 2, 0),
-    ("fsdp", 2, 4, 2),  # with DataLoader workers and random augmentation
-    ("zero2", 4, 3, 0),
-])
-def test_a_mid_epoch_checkpoint_resumed_on_another_number_of_ranks_is_the_same_run(rank_pool, tmp_path, strategy,
-                                                                                   before, after, workers):
+@pytest.mark.parametrize(
+    "strategy, before, after, workers",
+    [
+        ("ddp", 4, 2, 0),
+        ("fsdp", 2, 4, 2),  # with DataLoader workers and random augmentation
+        ("zero2", 4, 3, 0),
+    ],
+)
+def test_a_mid_epoch_checkpoint_resumed_on_another_number_of_ranks_is_the_same_run(
+    rank_pool, tmp_path, strategy, before, after, workers
+):
     straight = rank_pool(before).run(body_fit, str(tmp_path / "straight"), strategy, workers=workers)[0]
     checkpoint = str(tmp_path / "straight" / "ckpt" / "step=1")
     resumed = rank_pool(after).run(body_fit, str(tmp_path / "resumed"), strategy, checkpoint, workers=workers)[0]
@@ -122,10 +139,21 @@ def test_without_a_global_batch_size_a_resume_on_fewer_ranks_warns_with_both_siz
 
 
 def test_a_global_batch_size_that_does_not_divide_names_the_three_numbers(tmp_path):
-    trainer = Trainer(devices=1, global_batch_size=5, max_steps=1, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    with pytest.raises(ValueError, match=r"global_batch_size=5 does not divide into batches of 2 .* on 1 "
-                                         r"data-parallel rank: it must be a multiple of 2 x 1 = 2"):
+    trainer = Trainer(
+        devices=1,
+        global_batch_size=5,
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"global_batch_size=5 does not divide into batches of 2 .* on 1 "
+        r"data-parallel rank: it must be a multiple of 2 x 1 = 2",
+    ):
         trainer.fit(Recorded(), DataLoader(dataset(), batch_size=2))
     with pytest.raises(ValueError, match="global_batch_size=8 and accumulate_grad_batches=2"):
         Trainer(devices=1, global_batch_size=8, accumulate_grad_batches=2)
@@ -133,8 +161,16 @@ def test_a_global_batch_size_that_does_not_divide_names_the_three_numbers(tmp_pa
 
 def test_a_global_batch_size_on_one_rank_accumulates_as_the_same_run_on_more(tmp_path):
     seed_everything(0)
-    trainer = Trainer(devices=1, global_batch_size=GLOBAL, max_steps=2, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer = Trainer(
+        devices=1,
+        global_batch_size=GLOBAL,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     module = Recorded()
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=True))
     assert trainer.accumulate_grad_batches == GLOBAL // BATCH and len(module.trained) == 2 * GLOBAL
@@ -161,10 +197,31 @@ def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pa
         port = _free_port()
         agents = []
         for node, extra in enumerate([(), loss]):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-                    "--max-restarts", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                    "--rdzv-id", strategy, "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=15",
-                    ELASTIC_SCRIPT, "--root", str(run / "root"), "--strategy", strategy, *extra]
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1:2",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                strategy,
+                "--rdzv-conf",
+                f"is_host={int(node == 0)},last_call_timeout=15",
+                ELASTIC_SCRIPT,
+                "--root",
+                str(run / "root"),
+                "--strategy",
+                strategy,
+                *extra,
+            ]
             agents.append(Job(argv, run / f"agent{node}"))
         runs[strategy] = (run / "root", agents)
     yield runs
@@ -180,8 +237,10 @@ def _uninterrupted_elastic_body(root: str, strategy: str) -> None:
 def _lineage(root: Path) -> tuple[list[tuple[int, int, str]], list[int]]:
     """(world size, global step, checkpoint) per start, and the samples of every batch the final weights learned
     from: those of the first attempt before the step the second resumed from, then the second attempt's."""
-    starts = [(int(ws), int(step), ckpt) for ws, step, ckpt in (line.split() for line in
-                                                                 (root / "starts.log").read_text().splitlines())]
+    starts = [
+        (int(ws), int(step), ckpt)
+        for ws, step, ckpt in (line.split() for line in (root / "starts.log").read_text().splitlines())
+    ]
     resumed_at = starts[-1][1]
     batches = [line.split() for f in root.glob("trained-*") for line in f.read_text().splitlines()]
     kept = [b for b in batches if (int(b[0]) == 0 and int(b[1]) < resumed_at) or (int(b[0]) > 0)]
@@ -189,8 +248,9 @@ def _lineage(root: Path) -> tuple[list[tuple[int, int, str]], list[int]]:
 
 
 @pytest.mark.parametrize("strategy", list(LOSSES))
-def test_torchrun_loses_a_node_and_the_run_ends_on_the_other_as_if_uninterrupted(elastic_runs, rank_pool, tmp_path,
-                                                                                  strategy):
+def test_torchrun_loses_a_node_and_the_run_ends_on_the_other_as_if_uninterrupted(
+    elastic_runs, rank_pool, tmp_path, strategy
+):
     root, agents = elastic_runs[strategy]
     survivor, lost = agents[0].result(timeout=400), agents[1].result(timeout=400)
     assert survivor[0] == 0, survivor[2][-5000:]
@@ -221,12 +281,19 @@ class Scheduled(Recorded):
 def test_a_resume_from_an_epochs_last_batch_steps_the_scheduler_without_torchs_warning(tmp_path):
     """The checkpoint of an epoch's last step is saved before the epoch's scheduler step; the resumed run takes
     that step first, before any optimizer step of its own process, which torch took for a misuse."""
+
     def fit(max_epochs: int, ckpt_path: str | None = None) -> tuple[Trainer, list[str]]:
         seed_everything(0)
-        saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=6, save_top_k=-1,
-                                filename="{step}")
-        trainer = Trainer(devices=1, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, callbacks=[saver], default_root_dir=str(tmp_path))
+        saver = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=6, save_top_k=-1, filename="{step}")
+        trainer = Trainer(
+            devices=1,
+            max_epochs=max_epochs,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[saver],
+            default_root_dir=str(tmp_path),
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(Scheduled(), DataLoader(dataset(), batch_size=8), ckpt_path=ckpt_path)

@@ -36,8 +36,18 @@ from trainer import Trainer
 from trainer import checkpoint as ckpt_io
 
 DECAY, STEPS, ACCUMULATE = 0.6, 4, 2
-TRAINABLE = ["emb.weight", "blocks.0.l1.weight", "blocks.0.l1.bias", "blocks.0.l2.weight", "blocks.0.l2.bias",
-             "blocks.1.l1.weight", "blocks.1.l1.bias", "blocks.1.l2.weight", "blocks.1.l2.bias", "frozen.bias"]
+TRAINABLE = [
+    "emb.weight",
+    "blocks.0.l1.weight",
+    "blocks.0.l1.bias",
+    "blocks.0.l2.weight",
+    "blocks.0.l2.bias",
+    "blocks.1.l1.weight",
+    "blocks.1.l1.bias",
+    "blocks.1.l2.weight",
+    "blocks.1.l2.bias",
+    "frozen.bias",
+]
 
 
 class ValLM(TiedLM):
@@ -73,15 +83,32 @@ def val_loader(batch_size: int = 3) -> DataLoader:
     return DataLoader(token_dataset(10, seed=2), batch_size=batch_size)
 
 
-def fit(strategy: str, devices: int, batch_size: int, optimizer: str = "sgd", steps: int = STEPS,
-        callbacks: list | None = None, validate: bool = False, ckpt_path: str | None = None,
-        **kwargs) -> tuple[Trainer, ValLM]:
+def fit(
+    strategy: str,
+    devices: int,
+    batch_size: int,
+    optimizer: str = "sgd",
+    steps: int = STEPS,
+    callbacks: list | None = None,
+    validate: bool = False,
+    ckpt_path: str | None = None,
+    **kwargs,
+) -> tuple[Trainer, ValLM]:
     torch.manual_seed(0)
     module = ValLM(optimizer=optimizer)
-    options = dict(max_steps=steps, max_epochs=1, accumulate_grad_batches=ACCUMULATE, logger=False,
-                   num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, val_check_interval=4)
-    trainer = Trainer(strategy=make_strategy(strategy), devices=devices, callbacks=callbacks or [],
-                      **{**options, **kwargs})
+    options = dict(
+        max_steps=steps,
+        max_epochs=1,
+        accumulate_grad_batches=ACCUMULATE,
+        logger=False,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        val_check_interval=4,
+    )
+    trainer = Trainer(
+        strategy=make_strategy(strategy), devices=devices, callbacks=callbacks or [], **{**options, **kwargs}
+    )
     loader = DataLoader(token_dataset(), batch_size=batch_size, shuffle=False)
     trainer.fit(module, loader, val_loader() if validate else None, ckpt_path=ckpt_path)
     return trainer, module
@@ -89,8 +116,10 @@ def fit(strategy: str, devices: int, batch_size: int, optimizer: str = "sgd", st
 
 def full_average(trainer: Trainer, ema: EMA) -> dict[str, torch.Tensor] | None:
     """The average in full on rank 0 (None elsewhere), put together from every rank's `sharded_state`."""
-    mine = {name: (tuple(p.shape), [(start, data.clone()) for start, data in p.pieces])
-            for name, p in ema.sharded_state(trainer).get("ema", {}).items()}
+    mine = {
+        name: (tuple(p.shape), [(start, data.clone()) for start, data in p.pieces])
+        for name, p in ema.sharded_state(trainer).get("ema", {}).items()
+    }
     out: dict[str, torch.Tensor] = {}
     for rank_pieces in trainer.strategy.all_gather_object(mine):
         for name, (shape, pieces) in rank_pieces.items():
@@ -214,9 +243,18 @@ def body_validation(strategy: str) -> dict | None:
     after = trainer.validate(module, val_loader())[0]["val/loss"]
     tested = trainer.test(module, val_loader())[0]["test/loss"]
     again = trainer.strategy.full_state_dict()
-    return rank_zero(trainer, {"trained": trained, "plain": plain.strategy.full_state_dict(), "again": again,
-                               "validations": recorder.validations, "after": after, "tested": tested,
-                               "average": full_average(trainer, ema)})
+    return rank_zero(
+        trainer,
+        {
+            "trained": trained,
+            "plain": plain.strategy.full_state_dict(),
+            "again": again,
+            "validations": recorder.validations,
+            "after": after,
+            "tested": tested,
+            "average": full_average(trainer, ema),
+        },
+    )
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -248,8 +286,9 @@ def body_save(root: str, strategy: str, steps: int, path: str | None) -> dict | 
 @keeps_determinism_setting
 def body_resume(root: str, strategy: str, steps: int, path: str) -> dict | None:
     ema = EMA(decay=DECAY)
-    trainer, _ = fit(strategy, world_size(), PER_RANK_BATCH, steps=steps, callbacks=[ema], default_root_dir=root,
-                     ckpt_path=path)
+    trainer, _ = fit(
+        strategy, world_size(), PER_RANK_BATCH, steps=steps, callbacks=[ema], default_root_dir=root, ckpt_path=path
+    )
     return rank_zero(trainer, {"average": full_average(trainer, ema), "updates": ema.updates})
 
 
@@ -277,8 +316,14 @@ def test_the_average_is_saved_sharded_and_resumes_under_other_strategies_and_wor
 
     # a weights-only load for validation in one process: the average when EMA is given, else the trained weights
     for callbacks, weights in (([EMA()], with_average(saved["weights"], saved["average"])), ([], saved["weights"])):
-        trainer = Trainer(strategy="single", callbacks=callbacks, logger=False, enable_progress_bar=False,
-                          enable_checkpointing=False, default_root_dir=root)
+        trainer = Trainer(
+            strategy="single",
+            callbacks=callbacks,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            default_root_dir=root,
+        )
         torch.manual_seed(1)  # other initial weights: all of them must come from the checkpoint
         metrics = trainer.validate(ValLM(), val_loader(), ckpt_path=path)[0]
         assert metrics["val/loss"] == pytest.approx(val_loss(weights), rel=1e-5)
@@ -289,8 +334,9 @@ def test_a_save_by_an_earlier_callback_in_the_same_hook_holds_that_steps_update(
     brings the average up to date first, so a resume from it misses no update."""
     ema = EMA(decay=DECAY)
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2)
-    trainer, _ = fit("single", 1, 4, steps=2, callbacks=[saver, ema], enable_checkpointing=True,
-                     default_root_dir=str(tmp_path))
+    trainer, _ = fit(
+        "single", 1, 4, steps=2, callbacks=[saver, ema], enable_checkpointing=True, default_root_dir=str(tmp_path)
+    )
     average = full_average(trainer, ema)
     state = ckpt_io.load_full_state_dict(saver.best_model_path, ema=True)
     assert ema.updates == 2 and all(torch.equal(state[n], average[n]) for n in TRAINABLE)
@@ -334,8 +380,16 @@ def test_export_with_ema_writes_the_average_and_loads_in_one_process(rank_pool, 
 def body_hybrid(path: str) -> dict | None:
     ema = EMA(decay=DECAY)
     strategy = FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=2)
-    trainer = Trainer(strategy=strategy, devices=4, max_steps=2, callbacks=[ema], logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, default_root_dir=os.path.dirname(path))
+    trainer = Trainer(
+        strategy=strategy,
+        devices=4,
+        max_steps=2,
+        callbacks=[ema],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=os.path.dirname(path),
+    )
     trainer.fit(ValLM(), DataLoader(token_dataset(32), batch_size=2, shuffle=False))
     trainer.save_checkpoint(path)
     return rank_zero(trainer, full_average(trainer, ema))
@@ -353,12 +407,15 @@ def test_under_hybrid_sharding_the_first_copy_writes_the_average(rank_pool, tmp_
 
 
 # -- arguments ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    ({"decay": 1.5}, r"decay=1.5"),
-    ({"decay": "0.9"}, r"decay='0.9'"),
-    ({"update_every_n_steps": 0}, r"update_every_n_steps=0"),
-    ({"update_starting_at_step": -1}, r"update_starting_at_step=-1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"decay": 1.5}, r"decay=1.5"),
+        ({"decay": "0.9"}, r"decay='0.9'"),
+        ({"update_every_n_steps": 0}, r"update_every_n_steps=0"),
+        ({"update_starting_at_step": -1}, r"update_starting_at_step=-1"),
+    ],
+)
 def test_bad_arguments_are_errors_naming_them(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         EMA(**kwargs)

@@ -103,8 +103,14 @@ def body_communication_per_step(accumulate: int) -> dict[str, tuple[dict[str, in
         engine_step(model, engine, opt, accumulate)
         engine.stats.reset()
         engine_step(model, engine, opt, accumulate)
-        sizes = {u.name: (u.layout.padded_total, u.layout.trainable_shard_size * u.world_size,
-                          len(u.params) if any(u.trainable) else 0) for u in engine.units}
+        sizes = {
+            u.name: (
+                u.layout.padded_total,
+                u.layout.trainable_shard_size * u.world_size,
+                len(u.params) if any(u.trainable) else 0,
+            )
+            for u in engine.units
+        }
         out[name] = dict(engine.stats.elements), sizes
     return out
 
@@ -132,8 +138,10 @@ def test_communication_per_step_matches_theory(rank_pool, accumulate):
                 "ddp": {"all_reduce": 2 * (T + F)},
                 "zero1": {"all_reduce": 2 * (T + F), "all_gather": T},
                 "zero2": {"reduce_scatter": accumulate * (T + N * F), "all_gather": T},
-                "fsdp": {"all_gather": accumulate * (2 * P - gathered_once),
-                         "reduce_scatter": accumulate * (T + N * F)},
+                "fsdp": {
+                    "all_gather": accumulate * (2 * P - gathered_once),
+                    "reduce_scatter": accumulate * (T + N * F),
+                },
             }[name]
             assert sent == expected, (name, sizes)
         fsdp_units = elements["fsdp"][1]
@@ -177,8 +185,9 @@ class NormedStack(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.LayerNorm(64),
-                                    nn.Linear(64, 64))
+        self.layers = nn.Sequential(
+            nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -230,8 +239,7 @@ def body_fsdp_gathers_once_without_resharding() -> dict[str, int]:
     engine_step(model, engine, opt, 1)
     flags = sum(len(u.params) for u in engine.units if any(u.trainable))
     trainable = sum(u.layout.trainable_shard_size * u.world_size for u in engine.units)
-    return {**engine.stats.elements, "P": sum(u.layout.padded_total for u in engine.units), "T": trainable,
-            "F": flags}
+    return {**engine.stats.elements, "P": sum(u.layout.padded_total for u in engine.units), "T": trainable, "F": flags}
 
 
 def test_fsdp_without_reshard_after_forward_gathers_each_unit_once(rank_pool):
@@ -559,8 +567,14 @@ def body_fp16_skips_overflowing_steps() -> dict[str, tuple]:
         finally:
             LossScaler.unscale_and_check = original
         local = {k: v.detach().clone() for k, v in module.state_dict().items()} if name == "ddp" else None
-        out[name] = (trainer.global_step, module.optimizer_steps, trainer.precision.scaler.scale_value,
-                     trainer.strategy.full_state_dict(), local, local_overflow)
+        out[name] = (
+            trainer.global_step,
+            module.optimizer_steps,
+            trainer.precision.scaler.scale_value,
+            trainer.strategy.full_state_dict(),
+            local,
+            local_overflow,
+        )
     return out
 
 
@@ -665,8 +679,14 @@ def body_read_sharded_parameters() -> dict:
         output = module(x)
     plain = new_model()
     plain.load_state_dict(strategy.full_state_dict())
-    return {"shape": list(weight.shape), "errors": errors, "seen": seen, "output": output,
-            "plain_output": plain(x).detach(), "after": plain.blocks[0].l1.weight.detach()}
+    return {
+        "shape": list(weight.shape),
+        "errors": errors,
+        "seen": seen,
+        "output": output,
+        "plain_output": plain(x).detach(),
+        "after": plain.blocks[0].l1.weight.detach(),
+    }
 
 
 def test_a_sharded_parameter_is_never_read_as_zeros(rank_pool):
@@ -709,8 +729,12 @@ def body_gloo_collectives_in_chunks() -> tuple[bool, bool, bool, bool]:
         expected = torch.cat([torch.arange(25.0 * r, 25.0 * (r + 1)) + 1000 * r for r in range(size)])
         gathered_in_place = torch.equal(in_place, expected)
         outs = torch.zeros(3, 25)  # several exchanges in flight at once still pair up in order
-        works = [collectives.reduce_scatter_sum(outs[i], torch.full((25 * size,), float(i) * (rank + 1)), None,
-                                                stats, async_op=True) for i in range(3)]
+        works = [
+            collectives.reduce_scatter_sum(
+                outs[i], torch.full((25 * size,), float(i) * (rank + 1)), None, stats, async_op=True
+            )
+            for i in range(3)
+        ]
         for work in works:
             work.wait()
         in_flight = all(torch.equal(outs[i], torch.full((25,), float(i) * total)) for i in range(3))
@@ -729,8 +753,10 @@ def body_kinds_issued_in_different_orders() -> tuple[bool, bool]:
     try:
         shard, full = torch.full((25,), float(rank)), torch.empty(25 * size)
         grads, out = torch.arange(25.0 * size) * (rank + 1), torch.empty(25)
-        ops = [lambda: collectives.all_gather(full, shard, None, stats, async_op=True),
-               lambda: collectives.reduce_scatter_sum(out, grads, None, stats, async_op=True)]
+        ops = [
+            lambda: collectives.all_gather(full, shard, None, stats, async_op=True),
+            lambda: collectives.reduce_scatter_sum(out, grads, None, stats, async_op=True),
+        ]
         for work in [op() for op in (ops if rank % 2 == 0 else ops[::-1])]:
             work.wait()
     finally:

@@ -53,12 +53,15 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_example(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                        "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     output = f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, f"{module} exited with {proc.returncode}\n{output}"
     return proc
@@ -87,8 +90,20 @@ def _main_output(example: str, argv: list[str]) -> str:
 
 
 def mnist_argv(data_dir: Path, root_dir: Path, *extra: str) -> list[str]:
-    return ["--epochs", "2", "--limit-train-batches", "2", "--batch-size", "16", "--data-dir", str(data_dir),
-            "--no-download", "--root-dir", str(root_dir), *extra]
+    return [
+        "--epochs",
+        "2",
+        "--limit-train-batches",
+        "2",
+        "--batch-size",
+        "16",
+        "--data-dir",
+        str(data_dir),
+        "--no-download",
+        "--root-dir",
+        str(root_dir),
+        *extra,
+    ]
 
 
 def test_mnist_runs_on_one_rank(mnist_dir: Path, tmp_path: Path) -> None:
@@ -109,10 +124,27 @@ def test_cli_mnist_runs_tiny_from_its_yaml(mnist_dir: Path, tmp_path: Path) -> N
     """examples/cli_mnist.py with examples/cli_mnist.yaml, a flag or two making it tiny: trains, saves its config."""
     pytest.importorskip("jsonargparse")
     cli_mnist = importlib.import_module("examples.cli_mnist")
-    run = cli_mnist.main(["fit", "--config", str(ROOT / "examples" / "cli_mnist.yaml"), "--data.data_dir",
-                          str(mnist_dir), "--data.download", "false", "--data.batch_size", "16", "--trainer.max_epochs",
-                          "1", "--trainer.limit_train_batches", "2", "--trainer.default_root_dir", str(tmp_path),
-                          "--trainer.enable_progress_bar", "false"])
+    run = cli_mnist.main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "examples" / "cli_mnist.yaml"),
+            "--data.data_dir",
+            str(mnist_dir),
+            "--data.download",
+            "false",
+            "--data.batch_size",
+            "16",
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.limit_train_batches",
+            "2",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     assert run.trainer.global_step == 2 and "val/acc" in run.trainer.callback_metrics
     saved = (Path(run.trainer.log_dir) / "config.yaml").read_text()
     assert "max_epochs: 1" in saved and "class_path: callbacks.LearningRateMonitor" in saved
@@ -163,10 +195,33 @@ def test_gpt_built_on_meta_and_reset_layer_by_layer_equals_eager() -> None:
 
 def test_gpt_quickstart_command_runs_tiny_on_two_ranks(tmp_path: Path) -> None:
     """The README quickstart as the user types it (a script that starts its second rank), at a tiny size."""
-    proc = run_example("examples.gpt", "--devices", "2", "--max-steps", "4", "--val-check-interval", "2",
-                       "--batch-size", "8", "--block-size", "16", "--n-layer", "1", "--n-head", "2",
-                       "--n-embd", "32", "--data-bytes", "100000", "--val-windows", "17",  # 2 batches and 1
-                       "--sample-tokens", "8", "--root-dir", str(tmp_path / "runs"))
+    proc = run_example(
+        "examples.gpt",
+        "--devices",
+        "2",
+        "--max-steps",
+        "4",
+        "--val-check-interval",
+        "2",
+        "--batch-size",
+        "8",
+        "--block-size",
+        "16",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--data-bytes",
+        "100000",
+        "--val-windows",
+        "17",  # 2 batches and 1
+        "--sample-tokens",
+        "8",
+        "--root-dir",
+        str(tmp_path / "runs"),
+    )
     out = proc.stdout
     val_losses = [float(v) for v in re.findall(r"^step +\d+ +val/loss (\S+)$", out, re.MULTILINE)]
     assert len(val_losses) == 2, out
@@ -186,10 +241,34 @@ def test_finetune_lora_example_runs_tiny_on_two_ranks(rank_pool, tmp_path: Path)
     """examples/finetune_lora.py at a tiny size under fsdp: a pretrained folder made, the base loaded from it, the
     adapter trained, saved by peft from rank 0 and loaded back in one process with the last validation's loss."""
     pytest.importorskip("peft")
-    argv = ["--devices", "2", "--max-steps", "4", "--val-check-interval", "2", "--batch-size", "8", "--block-size",
-            "16", "--n-layer", "1", "--n-head", "2", "--hidden-size", "32", "--data-bytes", "100000",
-            "--val-windows", "17", "--pretrained", str(tmp_path / "pretrained"), "--adapter-dir",
-            str(tmp_path / "adapter"), "--root-dir", str(tmp_path / "runs")]
+    argv = [
+        "--devices",
+        "2",
+        "--max-steps",
+        "4",
+        "--val-check-interval",
+        "2",
+        "--batch-size",
+        "8",
+        "--block-size",
+        "16",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--hidden-size",
+        "32",
+        "--data-bytes",
+        "100000",
+        "--val-windows",
+        "17",
+        "--pretrained",
+        str(tmp_path / "pretrained"),
+        "--adapter-dir",
+        str(tmp_path / "adapter"),
+        "--root-dir",
+        str(tmp_path / "runs"),
+    ]
     rank0, rank1 = rank_pool(2).run(_main_output, "finetune_lora", argv)
     val_losses = [float(v) for v in re.findall(r"^step +\d+ +val/loss (\S+)$", rank0, re.MULTILINE)]
     assert len(val_losses) == 2 and val_losses[-1] < math.log(256), rank0

@@ -42,20 +42,57 @@ def jobs(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("faults")
     two_nodes = tmp / "two_nodes"
     two_nodes.mkdir()
-    node = torchrun("--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-                    "--master-port", str(_free_port()))
+    node = torchrun(
+        "--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port())
+    )
     lost_node = [SCRIPT, "--root", str(two_nodes), "--fault", "kill:2:1", "--timeout", str(TIMEOUT)]
     commands = {
         # README's fault-tolerant command line; rank 1 dies after step 5, then rank 0 while saving step 9
-        "restarts": [*torchrun("--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "2", "--rdzv-backend",
-                               "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}"),
-                     SCRIPT, "--root", str(tmp / "restarts"), "--fault", "kill:5:1", "--fault", "save:9:0"],
+        "restarts": [
+            *torchrun(
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                "--max-restarts",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{_free_port()}",
+            ),
+            SCRIPT,
+            "--root",
+            str(tmp / "restarts"),
+            "--fault",
+            "kill:5:1",
+            "--fault",
+            "save:9:0",
+        ],
         "killed": [sys.executable, SCRIPT, "--root", str(tmp / "killed"), "--fault", "kill:2:1"],
-        "hangs": [sys.executable, SCRIPT, "--root", str(tmp / "hangs"), "--fault", "hang:2:1",
-                  "--timeout", str(TIMEOUT)],
+        "hangs": [
+            sys.executable,
+            SCRIPT,
+            "--root",
+            str(tmp / "hangs"),
+            "--fault",
+            "hang:2:1",
+            "--timeout",
+            str(TIMEOUT),
+        ],
         # under ddp the first collective of a step is the ranks' agreement after training_step
-        "hangs-ddp": [sys.executable, SCRIPT, "--root", str(tmp / "hangs-ddp"), "--fault", "hang:2:1",
-                      "--timeout", str(TIMEOUT), "--strategy", "ddp"],
+        "hangs-ddp": [
+            sys.executable,
+            SCRIPT,
+            "--root",
+            str(tmp / "hangs-ddp"),
+            "--fault",
+            "hang:2:1",
+            "--timeout",
+            str(TIMEOUT),
+            "--strategy",
+            "ddp",
+        ],
         "node0": [*node, "--node-rank", "0", *lost_node],
         "node1": [*node, "--node-rank", "1", *lost_node],
         # rank 0 pauses after step 3 while a thread sends it the signal, as a cluster or Ctrl-C would
@@ -170,8 +207,11 @@ def test_a_hanging_rank_makes_the_others_fail_at_the_timeout_naming_the_step_and
 def test_a_timeout_in_the_ranks_agreement_after_training_step_names_it(jobs):
     code, _, err = jobs["hangs-ddp"].result(timeout=150)
     assert code != 0
-    assert re.search(r"rank 0 failed at global step 2, epoch 0, batch 2: all-reduce of the ranks' agreement after "
-                     r"training_step \(.*\): .*Timed out", err), err[-3000:]
+    assert re.search(
+        r"rank 0 failed at global step 2, epoch 0, batch 2: all-reduce of the ranks' agreement after "
+        r"training_step \(.*\): .*Timed out",
+        err,
+    ), err[-3000:]
 
 
 # -- a lost node under torchrun -------------------------------------------------------------------------------

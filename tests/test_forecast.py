@@ -82,8 +82,23 @@ def test_fsdp_overlaps_gathers_with_compute_when_the_link_is_fast_enough():
 
 
 def test_the_command_line_prints_the_forecast_columns_and_json_keys(capsys):
-    args = ["examples.llama:llama_tiny", "--world-size", "16", "--nodes", "2", "--batch-size", "2", "--seq-len",
-            "64", "--wrap", "Block", "--hardware", "a100", "--precision", "bf16-mixed"]
+    args = [
+        "examples.llama:llama_tiny",
+        "--world-size",
+        "16",
+        "--nodes",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--wrap",
+        "Block",
+        "--hardware",
+        "a100",
+        "--precision",
+        "bf16-mixed",
+    ]
     plan_main(args)
     table = capsys.readouterr().out
     assert "step time on a100" in table and "tokens/s/rank" in table and "MFU" in table and "exposed comm" in table
@@ -113,8 +128,11 @@ def test_a_measured_profile_round_trips_through_its_json_file(tmp_path):
 
 def test_the_link_fit_recovers_latency_and_bandwidth_of_a_ring():
     truth = Link(bandwidth=2e9, latency=50e-6)
-    samples = [(kind, nbytes, collective_seconds(kind, nbytes, 2, truth))
-               for kind in ("all_gather", "reduce_scatter") for nbytes in (4096, 2**16, 2**20, 2**24)]
+    samples = [
+        (kind, nbytes, collective_seconds(kind, nbytes, 2, truth))
+        for kind in ("all_gather", "reduce_scatter")
+        for nbytes in (4096, 2**16, 2**20, 2**24)
+    ]
     samples += [("all_reduce", n, 2 * (n / 2 / truth.bandwidth + truth.latency)) for n in (4096, 2**20, 2**24)]
     fitted = fit_link(samples, 2)
     assert math.isclose(fitted.bandwidth, truth.bandwidth, rel_tol=1e-6)
@@ -127,8 +145,14 @@ def test_selective_checkpointing_recomputes_less_than_full():
 
     with torch.device("meta"):
         model = llama_tiny()
-    common = dict(world_size=1, batch_size=4, seq_len=64, precision="bf16-mixed", hardware="h100",
-                  activation_checkpointing={LlamaBlock})
+    common = dict(
+        world_size=1,
+        batch_size=4,
+        seq_len=64,
+        precision="bf16-mixed",
+        hardware="h100",
+        activation_checkpointing={LlamaBlock},
+    )
     none = plan_memory(model, world_size=1, batch_size=4, seq_len=64, precision="bf16-mixed", hardware="h100")
     full = plan_memory(model, **common).forecasts["ddp"].compute_s
     selective = plan_memory(model, checkpoint_mode="selective", **common).forecasts["ddp"].compute_s
@@ -156,8 +180,9 @@ def test_selective_checkpointing_recomputes_what_the_forward_did_not_save():
     assert recompute == forward and forward.count("MUST_SAVE") == 4
 
     torch.manual_seed(0)
-    block = LlamaBlock(LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96,
-                                   max_seq_len=16))
+    block = LlamaBlock(
+        LlamaConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=16)
+    )
     x = torch.randn(2, 16, 64, requires_grad=True)
     for _ in range(2):  # a fresh policy per call: the second call decides as the first
         checkpoint(block, x, use_reentrant=False, context_fn=selective_context).sum().backward()
@@ -174,7 +199,15 @@ def test_a_huggingface_model_is_planned_and_forecast_as_it_comes():
 
     with torch.device("meta"):
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64))
-    plan = plan_memory(model, world_size=16, nodes=2, batch_size=2, seq_len=32, precision="bf16-mixed",
-                       wrap_policy={GPT2Block}, hardware="h100")
+    plan = plan_memory(
+        model,
+        world_size=16,
+        nodes=2,
+        batch_size=2,
+        seq_len=32,
+        precision="bf16-mixed",
+        wrap_policy={GPT2Block},
+        hardware="h100",
+    )
     assert plan.activations > 0 and set(plan.forecasts) == {"ddp", "zero1", "zero2", "hsdp", "fsdp"}
     assert all(f.step_s > 0 and f.comm_s > 0 for f in plan.forecasts.values())

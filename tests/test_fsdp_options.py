@@ -186,11 +186,13 @@ class MaterializeProbe:
 
             def recording(param, value):
                 unit, _ = engine._unit_of_param[id(param)]
-                self.records.append({
-                    "unit_bytes": sum(p.numel() * p.element_size() for p in unit.params),
-                    "unsharded_unit_bytes": sum(u.full_flat.untyped_storage().nbytes() for u in engine.units),
-                    "master_bytes": sum(u.master.numel() * u.master.element_size() for u in engine.units),
-                })
+                self.records.append(
+                    {
+                        "unit_bytes": sum(p.numel() * p.element_size() for p in unit.params),
+                        "unsharded_unit_bytes": sum(u.full_flat.untyped_storage().nbytes() for u in engine.units),
+                        "master_bytes": sum(u.master.numel() * u.master.element_size() for u in engine.units),
+                    }
+                )
                 write_back(param, value)
 
             return self.original(root, meta_params, device, recording, group, record, units)
@@ -212,8 +214,13 @@ def body_meta_init() -> dict:
         trainer = fit(module, FSDPStrategy(auto_wrap_policy={MetaBlock}), world, PER_RANK_BATCH)
     torch.manual_seed(SEED + rank)
     mixed = MetaNet()  # under mixed precision the placeholders are bf16; the initialisation must stay fp32
-    fit(mixed, FSDPStrategy(auto_wrap_policy={MetaBlock}, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
-        world, PER_RANK_BATCH, steps=1)
+    fit(
+        mixed,
+        FSDPStrategy(auto_wrap_policy={MetaBlock}, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)),
+        world,
+        PER_RANK_BATCH,
+        steps=1,
+    )
     torch.manual_seed(SEED)
     bare = WithBare()
     fit(bare, FSDPStrategy(auto_wrap_policy={MetaBlock}), world, PER_RANK_BATCH, steps=1)
@@ -457,19 +464,24 @@ class GradientDevices(Callback):
 
 def body_offload() -> dict:
     out = {}
-    for name, options in {"plain": {}, "cpu_offload": {"cpu_offload": True},
-                          "activation_offload": {"activation_offload": True}}.items():
+    for name, options in {
+        "plain": {},
+        "cpu_offload": {"cpu_offload": True},
+        "activation_offload": {"activation_offload": True},
+    }.items():
         gradients = GradientDevices()
         with SaveOnCpuCounter() as counter:
             strategy = FSDPStrategy(auto_wrap_policy={Block}, **options)
-            trainer = fit(new_model(optimizer="adamw"), strategy, dist.get_world_size(), PER_RANK_BATCH,
-                          callbacks=[gradients])
+            trainer = fit(
+                new_model(optimizer="adamw"), strategy, dist.get_world_size(), PER_RANK_BATCH, callbacks=[gradients]
+            )
         units = trainer.strategy.engine.units
         optimizer = trainer.optimizers[0]
         out[name] = {
             "full": trainer.strategy.full_state_dict(),
             "packed": counter.packed,
-            "devices": {u.master.device.type for u in units} | gradients.devices
+            "devices": {u.master.device.type for u in units}
+            | gradients.devices
             | {v.device.type for s in optimizer.state.values() for v in s.values() if v.dim() > 0},
             "shard_devices": {u.shard_device.type for u in units},
             "offload_option": trainer.strategy.engine.unit_options.offload_to_cpu,
@@ -538,12 +550,21 @@ def body_mixed_precision_norms() -> tuple[list, list, dict, dict]:
     recorder = RecordNormDtypes()
     policy = MixedPrecision(param_dtype=torch.bfloat16)
     torch.manual_seed(0)
-    bf16 = fit(MetaNet(), FSDPStrategy(auto_wrap_policy={MetaBlock}, mixed_precision=policy), world,
-               PER_RANK_BATCH, callbacks=[recorder])
+    bf16 = fit(
+        MetaNet(),
+        FSDPStrategy(auto_wrap_policy={MetaBlock}, mixed_precision=policy),
+        world,
+        PER_RANK_BATCH,
+        callbacks=[recorder],
+    )
     torch.manual_seed(0)
     fp32 = fit(MetaNet(), FSDPStrategy(auto_wrap_policy={MetaBlock}), world, PER_RANK_BATCH)
-    return (sorted(recorder.seen), sorted(recorder.block_outputs), bf16.strategy.full_state_dict(),
-            fp32.strategy.full_state_dict())
+    return (
+        sorted(recorder.seen),
+        sorted(recorder.block_outputs),
+        bf16.strategy.full_state_dict(),
+        fp32.strategy.full_state_dict(),
+    )
 
 
 def test_mixed_precision_runs_norm_layers_in_fp32(rank_pool):

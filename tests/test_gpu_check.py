@@ -19,15 +19,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_check(*args: str, timeout: int) -> tuple[int, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
     return done.returncode, done.stdout + done.stderr
 
 
 def test_the_gpu_check_runs_on_cpu_and_every_check_holds():
     """Parts that cover the engine on both one-rank paths, checkpoints and the trace reader, at tiny sizes."""
-    code, out = run_check("--device", "cpu", "--tiny", "--parts", "strategies_alone,checkpoint,streams",
-                          "--jobs", "2", timeout=300)
+    code, out = run_check(
+        "--device", "cpu", "--tiny", "--parts", "strategies_alone,checkpoint,streams", "--jobs", "2", timeout=300
+    )
     holding = re.search(r"gpu: (\d+)/(\d+) checks hold", out)
     assert holding is not None, out[-3000:]
     assert holding.group(1) == holding.group(2) == "14" and code == 0, out[-3000:]

@@ -34,8 +34,14 @@ def tokens() -> torch.Tensor:
 def body_generate_after_fit() -> dict:
     torch.manual_seed(0)
     module = TinyGPT2()
-    trainer = Trainer(strategy=FSDPStrategy(auto_wrap_policy={GPT2Block}), devices=dist.get_world_size(),
-                      max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(
+        strategy=FSDPStrategy(auto_wrap_policy={GPT2Block}),
+        devices=dist.get_world_size(),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     trainer.fit(module, DataLoader(TensorDataset(tokens()), batch_size=2))
     prompt = tokens()[:2, :4]
     module.eval()  # no dropout

@@ -36,8 +36,9 @@ def hybrid(name: str):
 def body_hybrid_parity(optimizer: str) -> dict | None:
     out = {}
     for name in ("hsdp", "zero1-hybrid", "zero2-hybrid"):
-        trainer = fit(new_model(optimizer=optimizer), hybrid(name), world_size(), PER_RANK_BATCH,
-                      dataset=token_dataset(SAMPLES))
+        trainer = fit(
+            new_model(optimizer=optimizer), hybrid(name), world_size(), PER_RANK_BATCH, dataset=token_dataset(SAMPLES)
+        )
         engine = trainer.strategy.engine
         assert (engine.world_size, engine.groups.data_parallel_size) == (GROUP, WORLD)
         out[name] = trainer.strategy.full_state_dict()
@@ -47,8 +48,9 @@ def body_hybrid_parity(optimizer: str) -> dict | None:
 def test_hybrid_sharding_matches_one_process(rank_pool):
     """Tied, frozen and grouped parameters, accumulation and clipping (TiedLM, as the parity tests)."""
     for optimizer, tolerance in (("sgd", 1e-5), ("adamw", 1e-4)):
-        want = fit(new_model(optimizer=optimizer), "single", 1, PER_RANK_BATCH * WORLD,
-                   dataset=token_dataset(SAMPLES)).strategy.full_state_dict()
+        want = fit(
+            new_model(optimizer=optimizer), "single", 1, PER_RANK_BATCH * WORLD, dataset=token_dataset(SAMPLES)
+        ).strategy.full_state_dict()
         results = rank_pool(WORLD).run(body_hybrid_parity, optimizer)[0]
         for name, got in results.items():
             assert max_relative_difference(got, want) <= tolerance, (name, optimizer)
@@ -59,8 +61,9 @@ def body_hybrid_memory_and_communication() -> dict:
     for name, spec in (("fsdp", FULL_SHARD), ("zero2", ZERO2)):
         torch.manual_seed(0)
         model = Plain()
-        engine = ShardingEngine(model, spec, wrap_policy=block_policy if name == "fsdp" else None,
-                                shard_group_size=GROUP)
+        engine = ShardingEngine(
+            model, spec, wrap_policy=block_policy if name == "fsdp" else None, shard_group_size=GROUP
+        )
         opt = engine.setup_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
         for step in range(2):
             if step == 1:
@@ -81,8 +84,11 @@ def test_hybrid_memory_and_communication_follow_the_group_size(rank_pool):
     P, slack = 182, 3 * 2 * 4  # Plain: 182 parameters in 3 units; padding < G elements per unit
     for report in rank_pool(WORLD).run(body_hybrid_memory_and_communication):
         fsdp, _, _ = report["fsdp"]
-        for kind, want in (("parameters", 4 * P / GROUP), ("gradients", 4 * P / GROUP),
-                           ("optimizer_state", 8 * P / GROUP)):
+        for kind, want in (
+            ("parameters", 4 * P / GROUP),
+            ("gradients", 4 * P / GROUP),
+            ("optimizer_state", 8 * P / GROUP),
+        ):
             assert abs(fsdp[kind] - want) <= slack, (kind, fsdp[kind], want)
         zero2, _, _ = report["zero2"]
         assert abs(zero2["parameters"] - 4 * P) <= slack and abs(zero2["gradients"] - 4 * P / GROUP) <= slack
@@ -139,5 +145,3 @@ def test_zero_with_mixed_precision_stays_close_to_fp32(rank_pool):
         assert all(v.dtype == torch.float32 for v in bf16.values() if v.is_floating_point())
         difference = max_relative_difference(bf16, fp32)
         assert 0 < difference <= 5e-3, (name, difference)  # > 0: bf16 really was used
-
-

@@ -31,8 +31,12 @@ TRAINER_PARTS_MAY_IMPORT = {
     "trainer.profilers": (),
     "trainer.data": ("trainer.seed",),
     "trainer.checkpoint": ("trainer.seed",),
-    "trainer.evaluation": ("trainer.module", "trainer.state", "trainer.data",
-                           "trainer.loop.agreement"),  # count_across_ranks: the all-reduce both loops share
+    "trainer.evaluation": (
+        "trainer.module",
+        "trainer.state",
+        "trainer.data",
+        "trainer.loop.agreement",
+    ),  # count_across_ranks: the all-reduce both loops share
     "trainer.loop": ("trainer.arguments", "trainer.seed", "trainer.data", "trainer.evaluation", "trainer.launch"),
 }
 
@@ -57,7 +61,8 @@ def module_name(path: Path) -> str:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports_of(path: Path, known: set[str]) -> set[str]:
@@ -99,15 +104,20 @@ def test_imports_point_down():
     for module, imported in import_graph().items():
         for prefix, forbidden in MUST_NOT_IMPORT.items():
             if module == prefix or module.startswith(prefix + "."):
-                wrong += [f"{module} imports {m}" for m in imported
-                          if any(m == f or m.startswith(f + ".") for f in forbidden)]
+                wrong += [
+                    f"{module} imports {m}" for m in imported if any(m == f or m.startswith(f + ".") for f in forbidden)
+                ]
     assert not wrong, "\n".join(sorted(wrong))
 
 
 def test_the_checkpoint_component_imports_only_itself_and_the_engine():
-    wrong = [f"{module} imports {m}" for module, imported in import_graph().items()
-             if within(module, "strategies.checkpoint")
-             for m in imported if not any(within(m, allowed) for allowed in CHECKPOINT_MAY_IMPORT)]
+    wrong = [
+        f"{module} imports {m}"
+        for module, imported in import_graph().items()
+        if within(module, "strategies.checkpoint")
+        for m in imported
+        if not any(within(m, allowed) for allowed in CHECKPOINT_MAY_IMPORT)
+    ]
     assert not wrong, "\n".join(sorted(wrong))
 
 
@@ -116,8 +126,11 @@ def test_trainer_parts_import_only_the_parts_below_them():
     for module, imported in import_graph().items():
         for part, allowed in TRAINER_PARTS_MAY_IMPORT.items():
             if within(module, part):
-                wrong += [f"{module} imports {m}" for m in imported if within(m, "trainer")
-                          and not within(m, part) and not any(within(m, a) for a in allowed)]
+                wrong += [
+                    f"{module} imports {m}"
+                    for m in imported
+                    if within(m, "trainer") and not within(m, part) and not any(within(m, a) for a in allowed)
+                ]
     assert not wrong, "\n".join(sorted(wrong))
 
 
@@ -135,7 +148,7 @@ def test_no_module_imports_another_in_a_circle():
         stack.append(module)
         for other in sorted(edges[module]):
             if state.get(other) == 1:
-                circles.append(stack[stack.index(other):] + [other])
+                circles.append(stack[stack.index(other) :] + [other])
             elif other not in state:
                 visit(other)
         stack.pop()

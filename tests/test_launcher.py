@@ -40,9 +40,7 @@ class Job:
         env.update(extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
         with open(workdir / "stdout", "w") as out, open(workdir / "stderr", "w") as err:
-            self.proc = subprocess.Popen(
-                argv, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True
-            )
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
         self.ended: float | None = None
         self._waiter = threading.Thread(target=self._wait, daemon=True)
         self._waiter.start()
@@ -118,15 +116,35 @@ def _srun_jobs(tmp: Path, python: str) -> dict[str, Job]:
     common = {"SLURM_JOB_ID": job_id, "SLURM_JOB_NAME": "train.py", "SLURM_JOB_NODELIST": "localhost"}
     jobs = {}
     for task in (0, 1):
-        per_device = {**common, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(task),
-                      "SLURM_LOCALID": str(task), "SLURM_NODEID": "0"}
-        argv = [python, os.path.join(ROOT, "tests", "scripts", "trainer_ranks.py"), "--devices", "2", "--root",
-                str(tmp / "srun_trainer")]
+        per_device = {
+            **common,
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_PROCID": str(task),
+            "SLURM_LOCALID": str(task),
+            "SLURM_NODEID": "0",
+        }
+        argv = [
+            python,
+            os.path.join(ROOT, "tests", "scripts", "trainer_ranks.py"),
+            "--devices",
+            "2",
+            "--root",
+            str(tmp / "srun_trainer"),
+        ]
         jobs[f"srun_per_device{task}"] = Job(argv, tmp / f"srun_per_device{task}", per_device)
     job_id2, _ = _job_id_with_a_free_port(avoid=port)
     for node in (0, 1):
-        per_node = {**common, "SLURM_JOB_ID": job_id2, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1",
-                    "SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node), "SLURM_NNODES": "2"}
+        per_node = {
+            **common,
+            "SLURM_JOB_ID": job_id2,
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "1",
+            "SLURM_PROCID": str(node),
+            "SLURM_LOCALID": "0",
+            "SLURM_NODEID": str(node),
+            "SLURM_NNODES": "2",
+        }
         argv = [python, SCRIPT, "--devices", "2", "--num-nodes", "2"]
         jobs[f"srun_per_node{node}"] = Job(argv, tmp / f"srun_per_node{node}", per_node)
     return jobs
@@ -229,8 +247,16 @@ def test_srun_one_task_per_node_starts_each_nodes_ranks(srun_jobs):
 def test_an_srun_task_count_that_does_not_fit_is_refused(monkeypatch, tasks, per_node, devices, num_nodes):
     for name in RANK_VARS:
         monkeypatch.delenv(name, raising=False)
-    slurm_env = dict(SLURM_NTASKS=str(tasks), SLURM_NTASKS_PER_NODE=per_node, SLURM_PROCID="0", SLURM_LOCALID="0",
-                     SLURM_NODEID="0", SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES="1", SLURM_JOB_ID="4321")
+    slurm_env = dict(
+        SLURM_NTASKS=str(tasks),
+        SLURM_NTASKS_PER_NODE=per_node,
+        SLURM_PROCID="0",
+        SLURM_LOCALID="0",
+        SLURM_NODEID="0",
+        SLURM_JOB_NODELIST="node[01-02]",
+        SLURM_NNODES="1",
+        SLURM_JOB_ID="4321",
+    )
     for name, value in slurm_env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(launcher, "launch_local_ranks", lambda *a, **k: pytest.fail("ranks were started"))
@@ -241,14 +267,22 @@ def test_an_srun_task_count_that_does_not_fit_is_refused(monkeypatch, tasks, per
 def test_srun_environment_and_node_lists():
     assert slurm.expand_nodelist("node[01-03,07],gpu5") == ["node01", "node02", "node03", "node07", "gpu5"]
     assert slurm.expand_nodelist("r[1-2]-n[08-09]") == ["r1-n08", "r1-n09", "r2-n08", "r2-n09"]
-    env = dict(SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4(x2)", SLURM_PROCID="5", SLURM_LOCALID="1",
-               SLURM_NODEID="1", SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_ID="123456")
+    env = dict(
+        SLURM_NTASKS="8",
+        SLURM_NTASKS_PER_NODE="4(x2)",
+        SLURM_PROCID="5",
+        SLURM_LOCALID="1",
+        SLURM_NODEID="1",
+        SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_JOB_ID="123456",
+    )
     task = slurm.detect(env)
     assert (task.task, task.tasks, task.local_task, task.node, task.nodes, task.tasks_per_node) == (5, 8, 1, 1, 2, 4)
     assert (task.master_addr, task.master_port) == ("gpu07", 15000 + 3456)
     assert slurm.place(task, devices=4, num_nodes=2) == slurm.Placement(5, 1, 1, 8, 1, "gpu07", 18456)
-    per_node = slurm.detect({**env, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "1",
-                             "SLURM_LOCALID": "0"})
+    per_node = slurm.detect(
+        {**env, "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    )
     assert slurm.place(per_node, devices=4, num_nodes=2) == slurm.Placement(4, 0, 4, 8, 1, "gpu07", 18456)
     assert slurm.detect({**env, "SLURM_JOB_NAME": "bash"}) is None  # salloc, then python in the shell
     assert slurm.detect({}) is None

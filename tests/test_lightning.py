@@ -42,10 +42,12 @@ def test_configure_optimizers_accepts_every_lightning_form():
         "two lists": (([a, b], [sa, sb]), [a, b], [(sa, 0), (sb, 1)]),
         "lists with a config dict": (([a], [{"scheduler": sa, "interval": "step"}]), [a], [(sa, 0)]),
         "dict": ({"optimizer": a, "lr_scheduler": sa}, [a], [(sa, 0)]),
-        "dict with config": ({"optimizer": a, "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss"}},
-                             [a], [(plateau, 0)]),
-        "dict monitor outside": ({"optimizer": a, "lr_scheduler": plateau, "monitor": "val/loss"}, [a],
-                                 [(plateau, 0)]),
+        "dict with config": (
+            {"optimizer": a, "lr_scheduler": {"scheduler": plateau, "monitor": "val/loss"}},
+            [a],
+            [(plateau, 0)],
+        ),
+        "dict monitor outside": ({"optimizer": a, "lr_scheduler": plateau, "monitor": "val/loss"}, [a], [(plateau, 0)]),
         "list of dicts": ([{"optimizer": a, "lr_scheduler": sa}, {"optimizer": b}], [a, b], [(sa, 0)]),
         "pair (this project's older form)": ((a, sa), [a], [(sa, 0)]),
     }
@@ -57,15 +59,21 @@ def test_configure_optimizers_accepts_every_lightning_form():
     assert (step_config.interval, step_config.frequency) == ("step", 3)
 
 
-@pytest.mark.parametrize("returned, error, match", [
-    (lambda a: [a, "sgd", a], TypeError, "configure_optimizers must return"),
-    (lambda a: [a, "sgd"], TypeError, "not a learning-rate scheduler"),
-    (lambda a: {"optimizer": a, "lr_scheduler": ReduceLROnPlateau(a)}, ValueError, "ReduceLROnPlateau needs"),
-    (lambda a: {"optimizer": a, "scheduler": StepLR(a, 1)}, ValueError, "unknown keys"),
-    (lambda a: {"optimizer": a, "lr_scheduler": {"scheduler": StepLR(a, 1), "interval": "batch"}}, ValueError,
-     "interval='batch'"),
-    (lambda a: None, TypeError, "configure_optimizers must return"),
-])
+@pytest.mark.parametrize(
+    "returned, error, match",
+    [
+        (lambda a: [a, "sgd", a], TypeError, "configure_optimizers must return"),
+        (lambda a: [a, "sgd"], TypeError, "not a learning-rate scheduler"),
+        (lambda a: {"optimizer": a, "lr_scheduler": ReduceLROnPlateau(a)}, ValueError, "ReduceLROnPlateau needs"),
+        (lambda a: {"optimizer": a, "scheduler": StepLR(a, 1)}, ValueError, "unknown keys"),
+        (
+            lambda a: {"optimizer": a, "lr_scheduler": {"scheduler": StepLR(a, 1), "interval": "batch"}},
+            ValueError,
+            "interval='batch'",
+        ),
+        (lambda a: None, TypeError, "configure_optimizers must return"),
+    ],
+)
 def test_configure_optimizers_refuses_what_it_cannot_read(returned, error, match):
     with pytest.raises(error, match=match):
         normalize(returned(_opt()[0]))
@@ -176,12 +184,22 @@ def body_boring_model_every_strategy() -> dict:
     for name in STRATEGIES:
         torch.manual_seed(0)
         model = BoringModel()
-        trainer = Trainer(strategy=make_strategy(name), devices=dist.get_world_size(), max_epochs=1,
-                          limit_train_batches=4, limit_val_batches=2, **QUIET)
+        trainer = Trainer(
+            strategy=make_strategy(name),
+            devices=dist.get_world_size(),
+            max_epochs=1,
+            limit_train_batches=4,
+            limit_val_batches=2,
+            **QUIET,
+        )
         trainer.fit(model)
         tested = trainer.test(model)
-        out[name] = (trainer.global_step, trainer.strategy.full_state_dict(), tested,
-                     trainer.lr_scheduler_configs[0].scheduler.last_epoch)
+        out[name] = (
+            trainer.global_step,
+            trainer.strategy.full_state_dict(),
+            tested,
+            trainer.lr_scheduler_configs[0].scheduler.last_epoch,
+        )
     return out
 
 
@@ -210,8 +228,9 @@ class Plateau(BoringModel):
 
 
 def test_reduce_lr_on_plateau_steps_with_its_monitored_metric(tmp_path):
-    trainer = Trainer(devices=1, max_epochs=3, limit_train_batches=2, limit_val_batches=1,
-                      default_root_dir=tmp_path, **QUIET)
+    trainer = Trainer(
+        devices=1, max_epochs=3, limit_train_batches=2, limit_val_batches=1, default_root_dir=tmp_path, **QUIET
+    )
     model = Plateau()
     trainer.fit(model)
     # epoch 1 sets the best; epochs 2 and 3 do not improve: two halvings
@@ -233,8 +252,15 @@ def test_the_sanity_check_finds_a_broken_validation_step_before_training(tmp_pat
     with pytest.raises(RuntimeError, match="a bug in validation_step"):
         Trainer(devices=1, max_epochs=1, default_root_dir=tmp_path, **QUIET).fit(BrokenValidation())
     assert BrokenValidation.trained == 0
-    trainer = Trainer(devices=1, max_epochs=1, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0,
-                      default_root_dir=tmp_path, **QUIET)
+    trainer = Trainer(
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
     trainer.fit(BrokenValidation())  # no validation: no sanity check either
     with pytest.raises(ValueError, match="num_sanity_val_steps"):
         Trainer(num_sanity_val_steps=-2)
@@ -243,8 +269,13 @@ def test_the_sanity_check_finds_a_broken_validation_step_before_training(tmp_pat
 def test_fast_dev_run_runs_a_batch_of_each_and_writes_nothing(tmp_path):
     from callbacks import ModelCheckpoint
 
-    trainer = Trainer(devices=1, fast_dev_run=True, default_root_dir=tmp_path,
-                      callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")], enable_progress_bar=False)
+    trainer = Trainer(
+        devices=1,
+        fast_dev_run=True,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts")],
+        enable_progress_bar=False,
+    )
     model = BoringModel()
     trainer.fit(model)
     assert trainer.global_step == 1 and trainer.num_val_batches == 1
@@ -269,12 +300,15 @@ def test_lightning_names_for_accelerator_devices_and_precision():
         Trainer(gradient_clip_algorithm="max")
 
 
-@pytest.mark.parametrize("argument, closest", [
-    ({"gpus": 2}, "devices=N with accelerator='cuda'"),
-    ({"min_steps": 10}, "max_steps, and EarlyStopping"),
-    ({"overfit_batches": 1}, "limit_train_batches"),
-    ({"max_epoch": 3}, "did you mean max_epochs"),
-])
+@pytest.mark.parametrize(
+    "argument, closest",
+    [
+        ({"gpus": 2}, "devices=N with accelerator='cuda'"),
+        ({"min_steps": 10}, "max_steps, and EarlyStopping"),
+        ({"overfit_batches": 1}, "limit_train_batches"),
+        ({"max_epoch": 3}, "did you mean max_epochs"),
+    ],
+)
 def test_a_lightning_argument_not_supported_names_the_closest_thing(argument, closest):
     with pytest.raises(TypeError, match=closest.replace("(", r"\(").replace(")", r"\)")):
         Trainer(**argument)
@@ -291,8 +325,12 @@ class Logs(BoringModel):
 
     def training_step(self, batch, batch_idx):
         loss = self.step(batch)
-        self.log_dict({"train/sum": torch.tensor(float(batch_idx + 1)), "train/max": float(batch_idx)},
-                      on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log_dict(
+            {"train/sum": torch.tensor(float(batch_idx + 1)), "train/max": float(batch_idx)},
+            on_step=False,
+            on_epoch=True,
+            reduce_fx="sum",
+        )
         self.log("train/biggest", float(batch_idx), on_step=False, on_epoch=True, reduce_fx=torch.max)
         self.log("train/hidden", 1.0, logger=False)
         if self.global_rank == 0:
@@ -301,9 +339,17 @@ class Logs(BoringModel):
 
 
 def test_log_reduce_fx_logger_and_rank_zero_only(tmp_path):
-    trainer = Trainer(devices=1, max_epochs=1, limit_train_batches=3, limit_val_batches=0, default_root_dir=tmp_path,
-                      log_every_n_steps=1, enable_progress_bar=False, enable_checkpointing=False,
-                      enable_model_summary=False)
+    trainer = Trainer(
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Logs())
     metrics = trainer.callback_metrics
     assert float(metrics["train/sum"]) == 6.0 and float(metrics["train/max"]) == 3.0  # 0+1+2 with reduce_fx sum
@@ -319,9 +365,16 @@ def test_log_reduce_fx_logger_and_rank_zero_only(tmp_path):
 
 
 def body_load_from_checkpoint(root: str, name: str) -> None:
-    trainer = Trainer(strategy=make_strategy(name), devices=dist.get_world_size(), max_steps=3,
-                      limit_val_batches=0, default_root_dir=root, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False)
+    trainer = Trainer(
+        strategy=make_strategy(name),
+        devices=dist.get_world_size(),
+        max_steps=3,
+        limit_val_batches=0,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     model = Logs(hidden_dim=32, lr=0.5)
     trainer.fit(model)
     trainer.save_checkpoint(os.path.join(root, name))
@@ -420,16 +473,29 @@ def body_datamodule(root: str) -> dict:
     datamodule = FilesDataModule(root)
     model = BuiltInSetup()
     at_start = HeadAtStart()
-    trainer = Trainer(strategy="fsdp", devices=dist.get_world_size(), max_epochs=1, default_root_dir=root,
-                      enable_progress_bar=False, enable_model_summary=False, logger=False, callbacks=[at_start])
+    trainer = Trainer(
+        strategy="fsdp",
+        devices=dist.get_world_size(),
+        max_epochs=1,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[at_start],
+    )
     torch.manual_seed(0)
     trainer.fit(model, datamodule=datamodule)
     head_after = trainer.strategy.full_state_dict()["head.weight"]
     validated = trainer.validate(model, datamodule)  # Lightning's positional form
     predicted = trainer.predict(model, datamodule=datamodule)
     trainer.save_checkpoint(os.path.join(root, "with-dm"))
-    return {"dm_calls": datamodule.calls, "model_calls": model.calls, "validated": validated,
-            "predicted": predicted, "head_moved": not torch.equal(head_after, at_start.head)}
+    return {
+        "dm_calls": datamodule.calls,
+        "model_calls": model.calls,
+        "validated": validated,
+        "predicted": predicted,
+        "head_moved": not torch.equal(head_after, at_start.head),
+    }
 
 
 def test_a_datamodule_prepares_once_per_machine_and_sets_up_every_rank(rank_pool, tmp_path):
@@ -439,8 +505,14 @@ def test_a_datamodule_prepares_once_per_machine_and_sets_up_every_rank(rank_pool
     # once per machine (local rank 0) at each of fit, validate and predict, before any rank read the data
     assert (tmp_path / "prepared.txt").read_text() == "rank 0\n" * 3
     for rank in ranks:
-        assert rank["dm_calls"] == ["setup:fit", "teardown:fit", "setup:validate", "teardown:validate",
-                                    "setup:predict", "teardown:predict"]
+        assert rank["dm_calls"] == [
+            "setup:fit",
+            "teardown:fit",
+            "setup:validate",
+            "teardown:validate",
+            "setup:predict",
+            "teardown:predict",
+        ]
         assert rank["model_calls"] == rank["dm_calls"]
         assert "val/loss" in rank["validated"][0] and rank["head_moved"]
     assert len(torch.cat(ranks[0]["predicted"])) == 6 and ranks[1]["predicted"] is None
@@ -485,8 +557,9 @@ class RecordsHooks(Callback):
             try:
                 seen.append((name, float(p.grad.float().norm())))
             except ShardedParameterError as error:
-                seen.append((name, "sharded" if f"'{name}'" in str(error) and "full_gradients" in str(error)
-                             else str(error)))
+                seen.append(
+                    (name, "sharded" if f"'{name}'" in str(error) and "full_gradients" in str(error) else str(error))
+                )
         self.grads.setdefault(where, seen)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -514,8 +587,14 @@ class RecordsHooks(Callback):
 def body_hooks_and_grads(name: str) -> dict:
     torch.manual_seed(0)
     recorder = RecordsHooks()
-    trainer = Trainer(strategy=make_strategy(name), devices=dist.get_world_size(), max_steps=1, limit_val_batches=0,
-                      callbacks=[recorder], **QUIET)
+    trainer = Trainer(
+        strategy=make_strategy(name),
+        devices=dist.get_world_size(),
+        max_steps=1,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        **QUIET,
+    )
     trainer.fit(BoringModel())
     return {"calls": recorder.calls, "grads": recorder.grads, "full": recorder.full}
 
@@ -528,16 +607,23 @@ def test_hooks_run_where_lightning_runs_them_and_grad_is_never_none_there(rank_p
     for name in STRATEGIES:
         ranks = rank_pool(2).run(body_hooks_and_grads, name)
         for rank in ranks:
-            assert rank["calls"] == ["on_train_batch_start", "on_before_backward", "on_after_backward",
-                                     "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end"]
+            assert rank["calls"] == [
+                "on_train_batch_start",
+                "on_before_backward",
+                "on_after_backward",
+                "on_before_optimizer_step",
+                "on_before_zero_grad",
+                "on_train_batch_end",
+            ]
             for where in ("after_backward", "before_optimizer_step"):
                 kinds = [value for _, value in rank["grads"][where]]
                 assert "none" not in kinds, (name, where, kinds)
                 if name in ("zero2", "fsdp"):
                     assert kinds == ["sharded"] * 2, (name, where, kinds)
         full = ranks[0]["full"]
-        assert set(full) == {"layer.weight", "layer.bias"} and all(torch.equal(full[k], ranks[1]["full"][k])
-                                                                   for k in full)
+        assert set(full) == {"layer.weight", "layer.bias"} and all(
+            torch.equal(full[k], ranks[1]["full"][k]) for k in full
+        )
         reference.setdefault("full", full)
         assert max_relative_difference(full, reference["full"]) <= 1e-6, name
         if name in ("ddp", "zero1"):  # .grad itself is the full averaged gradient
@@ -656,8 +742,15 @@ def test_all_gather_device_and_ranks(rank_pool):
 
 def body_clip_by_value(name: str) -> dict:
     torch.manual_seed(0)
-    trainer = Trainer(strategy=make_strategy(name), devices=dist.get_world_size(), max_steps=3, limit_val_batches=0,
-                      gradient_clip_val=0.01, gradient_clip_algorithm="value", **QUIET)
+    trainer = Trainer(
+        strategy=make_strategy(name),
+        devices=dist.get_world_size(),
+        max_steps=3,
+        limit_val_batches=0,
+        gradient_clip_val=0.01,
+        gradient_clip_algorithm="value",
+        **QUIET,
+    )
     trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 64), batch_size=2))
     return trainer.strategy.full_state_dict()
 
@@ -684,9 +777,16 @@ def body_summary_and_sampler() -> tuple[str, int, int]:
 
     from callbacks import ModelSummary
 
-    trainer = Trainer(strategy="fsdp", devices=dist.get_world_size(), max_steps=1, limit_val_batches=0,
-                      use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False)
+    trainer = Trainer(
+        strategy="fsdp",
+        devices=dist.get_world_size(),
+        max_steps=1,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     out = io.StringIO()
     with redirect_stdout(out):
         trainer.fit(BoringModel(), DataLoader(RandomDataset(32, 64), batch_size=4))

@@ -22,8 +22,9 @@ pytest.importorskip("lightning")
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
 OUR_IMPORTS = {
-    r"from lightning\.pytorch import LightningDataModule, LightningModule":
-        "from trainer import DataModule as LightningDataModule, TrainModule as LightningModule",
+    r"from lightning\.pytorch import LightningDataModule, LightningModule": (
+        "from trainer import DataModule as LightningDataModule, TrainModule as LightningModule"
+    ),
     r"from lightning\.pytorch import LightningModule": "from trainer import TrainModule as LightningModule",
 }
 
@@ -68,8 +69,11 @@ def body_every_demo(strategy: str, data_dir: str) -> dict:
     t.validate(model)
     t.test(model)
     predictions = t.predict(model)
-    results["BoringModel"] = (t.global_step, t.strategy.full_state_dict(),
-                              None if predictions is None else len(predictions))
+    results["BoringModel"] = (
+        t.global_step,
+        t.strategy.full_state_dict(),
+        None if predictions is None else len(predictions),
+    )
 
     torch.manual_seed(0)
     model, t = boring.BoringModel(), trainer(max_steps=6)
@@ -100,8 +104,13 @@ def test_lightnings_demo_modules_run_under_ddp_and_fsdp_with_only_imports_change
     pool = rank_pool(2)
     ddp, fsdp = pool.run(body_every_demo, "ddp", data_dir), pool.run(body_every_demo, "fsdp", data_dir)
     assert ddp[0]["BoringModel"][2] == 64 and ddp[1]["BoringModel"][2] is None  # one per sample, on rank 0
-    expected_steps = {"BoringModel": 8, "BoringDataModule": 6, "ManualOptimBoringModel": 6, "DemoModel": 6,
-                      "LightningTransformer": 3}
+    expected_steps = {
+        "BoringModel": 8,
+        "BoringDataModule": 6,
+        "ManualOptimBoringModel": 6,
+        "DemoModel": 6,
+        "LightningTransformer": 3,
+    }
     for name, steps in expected_steps.items():
         assert ddp[0][name][0] == fsdp[0][name][0] == steps, name
         assert max_relative_difference(fsdp[0][name][1], ddp[0][name][1]) <= 1e-5, name
@@ -123,8 +132,16 @@ def test_the_boring_model_ends_where_lightnings_own_trainer_ends():
 
     torch.manual_seed(0)
     theirs = LightningsBoringModel()
-    pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, limit_val_batches=0, logger=False,
-               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(theirs, loader())
+    pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(theirs, loader())
     torch.manual_seed(0)
     ours = boring.BoringModel()
     Trainer(devices=1, max_epochs=2, limit_val_batches=0, **QUIET).fit(ours, loader())
@@ -135,10 +152,25 @@ def test_the_boring_model_ends_where_lightnings_own_trainer_ends():
 
 # ------------------------------------------------------------------ the order of the hooks, recorded with Lightning
 
-RECORDED_HOOKS = ("prepare_data", "setup", "configure_model", "configure_optimizers", "on_fit_start", "val_dataloader",
-                  "train_dataloader", "on_train_start", "on_train_epoch_start", "on_validation_start",
-                  "on_validation_epoch_start", "on_validation_epoch_end", "on_validation_end", "on_train_epoch_end",
-                  "on_train_end", "on_fit_end", "teardown")
+RECORDED_HOOKS = (
+    "prepare_data",
+    "setup",
+    "configure_model",
+    "configure_optimizers",
+    "on_fit_start",
+    "val_dataloader",
+    "train_dataloader",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_validation_start",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+    "teardown",
+)
 
 
 def recording(module_class: type) -> tuple[type, list[str]]:
@@ -149,6 +181,7 @@ def recording(module_class: type) -> tuple[type, list[str]]:
         def hook(self, *args, **kwargs):
             calls.append(name)
             return getattr(super(recorded, self), name)(*args, **kwargs)
+
         return hook
 
     recorded = type(f"Recording{module_class.__name__}", (module_class,), {n: noting(n) for n in RECORDED_HOOKS})
@@ -163,8 +196,12 @@ def test_the_hooks_run_in_lightnings_order_and_the_demos_end_with_lightnings_wei
     from lightning.pytorch.demos import boring_classes as theirs
 
     ours = demo("boring_classes")
-    arguments = {"max_epochs": 2, "limit_train_batches": 3, "limit_val_batches": 2,
-                 "num_sanity_val_steps": sanity_steps}
+    arguments = {
+        "max_epochs": 2,
+        "limit_train_batches": 3,
+        "limit_val_batches": 2,
+        "num_sanity_val_steps": sanity_steps,
+    }
     for name in ("BoringModel", "ManualOptimBoringModel"):
         lightnings_class, lightnings_calls = recording(getattr(theirs, name))
         torch.manual_seed(0)
@@ -179,6 +216,7 @@ def test_the_hooks_run_in_lightnings_order_and_the_demos_end_with_lightnings_wei
 
 
 # ------------------------------------------------------------------ two ranks: the seed as Lightning's ddp resets it
+
 
 def shuffled_training(module_class: type) -> type:
     """`module_class` whose own `train_dataloader` shuffles: Lightning shuffles every training loader it gives a

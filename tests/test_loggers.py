@@ -61,10 +61,21 @@ class Logged(TiedLM):
 
 def _several_loggers_body(root: str) -> dict | None:
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # MLflow's own local store
-    loggers = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv"),
-               MLFlowLogger(experiment_name="shardtrain", run_name="several", save_dir=os.path.join(root, "mlruns"))]
-    trainer = Trainer(strategy="ddp", devices=2, max_steps=4, max_epochs=1, log_every_n_steps=1, logger=loggers,
-                      enable_progress_bar=False, enable_model_summary=False)
+    loggers = [
+        TensorBoardLogger(root, name="tb"),
+        CSVLogger(root, name="csv"),
+        MLFlowLogger(experiment_name="shardtrain", run_name="several", save_dir=os.path.join(root, "mlruns")),
+    ]
+    trainer = Trainer(
+        strategy="ddp",
+        devices=2,
+        max_steps=4,
+        max_epochs=1,
+        log_every_n_steps=1,
+        logger=loggers,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(new_model(Logged), DataLoader(token_dataset(), batch_size=2))
     if trainer.global_rank != 0:
         return {"versions": [logger.version for logger in trainer.loggers]}
@@ -74,12 +85,19 @@ def _several_loggers_body(root: str) -> dict | None:
     client = MlflowClient(tracking_uri=mlflow_logger._tracking_uri)
     run = client.get_run(mlflow_logger.run_id)
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    return {"versions": [logger.version for logger in trainer.loggers], "logger": trainer.logger is loggers[0],
-            "tb": trainer.loggers[0].log_dir, "csv": trainer.loggers[1].log_dir,
-            "params": run.data.params, "tags": run.data.tags, "status": run.info.status,
-            "run_name": run.info.run_name, "history": [(m.step, m.value) for m in history],
-            "experiment": client.get_experiment(run.info.experiment_id).name,
-            "checkpoint": trainer.checkpoint_callback.best_model_path}
+    return {
+        "versions": [logger.version for logger in trainer.loggers],
+        "logger": trainer.logger is loggers[0],
+        "tb": trainer.loggers[0].log_dir,
+        "csv": trainer.loggers[1].log_dir,
+        "params": run.data.params,
+        "tags": run.data.tags,
+        "status": run.info.status,
+        "run_name": run.info.run_name,
+        "history": [(m.step, m.value) for m in history],
+        "experiment": client.get_experiment(run.info.experiment_id).name,
+        "checkpoint": trainer.checkpoint_callback.best_model_path,
+    }
 
 
 def test_several_loggers_at_once_read_back_with_tensorboard_pandas_and_mlflow(rank_pool, tmp_path):

@@ -48,8 +48,12 @@ def body_model_in_callback_and_after_fit() -> dict:
     trainer = fit(module, FSDPStrategy(auto_wrap_policy={Block}), world_size(), PER_RANK_BATCH, callbacks=[callback])
     x = token_dataset().tensors[0][:2]
     after = module(x).detach()  # with grad enabled, outside any Trainer call
-    return {"during": callback.output, "state": callback.state, "after": after,
-            "final": trainer.strategy.full_state_dict()}
+    return {
+        "during": callback.output,
+        "state": callback.state,
+        "after": after,
+        "final": trainer.strategy.full_state_dict(),
+    }
 
 
 def test_the_model_computes_with_real_weights_in_a_callback_and_after_fit(rank_pool):

@@ -32,10 +32,30 @@ peft = pytest.importorskip("peft")
 safetensors = pytest.importorskip("safetensors.torch")
 
 VOCAB, STEPS, GLOBAL_BATCH = 61, 3, 8
-GPT2 = dict(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-LLAMA = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+GPT2 = dict(
+    vocab_size=VOCAB,
+    n_positions=16,
+    n_embd=16,
+    n_layer=2,
+    n_head=2,
+    bos_token_id=0,
+    eos_token_id=0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
+LLAMA = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=16,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
 TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
 
 
@@ -85,9 +105,17 @@ def make_strategy(name: str, kind: str = "gpt2"):
 
 def fit(name: str, world_size: int, root: str) -> tuple[Trainer, LoraLM]:
     seed_everything(0)
-    trainer = Trainer(strategy=make_strategy(name), devices=world_size, max_steps=STEPS, logger=False,
-                      enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-                      deterministic=True, default_root_dir=root)
+    trainer = Trainer(
+        strategy=make_strategy(name),
+        devices=world_size,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        deterministic=True,
+        default_root_dir=root,
+    )
     module = LoraLM()
     trainer.fit(module, loader(world_size))
     return trainer, module
@@ -115,9 +143,16 @@ def body_fit_and_save_adapter(name: str, root: str) -> dict:
         trainer.save_checkpoint(os.path.join(root, "ckpt"))
     trainable = {n: p.numel() for n, p in module.named_parameters() if p.requires_grad}
     padded = sum(u.layout.padded_total for u in strategy.engine.units if any(u.trainable))
-    return {"initial": module.initial, "adapter": adapter, "full": full, "gathered": gathered,
-            "trainable": trainable, "trainable_padded": padded, "report": strategy.memory_report(),
-            "folder": folder}
+    return {
+        "initial": module.initial,
+        "adapter": adapter,
+        "full": full,
+        "gathered": gathered,
+        "trainable": trainable,
+        "trainable_padded": padded,
+        "report": strategy.memory_report(),
+        "folder": folder,
+    }
 
 
 def test_lora_trains_saves_exports_and_loads_as_peft_users_expect(rank_pool, tmp_path):
@@ -156,8 +191,18 @@ def test_lora_trains_saves_exports_and_loads_as_peft_users_expect(rank_pool, tmp
                 assert torch.equal(value, rank0["full"]["model." + key]), (name, key)
     # The same from the fsdp run's checkpoint, in one process: `export --trainable-only`.
     out = tmp_path / "exported"
-    ckpt_io.main(["export", str(tmp_path / "ckpt"), str(out), "--format", "safetensors", "--prefix", "model.",
-                  "--trainable-only"])
+    ckpt_io.main(
+        [
+            "export",
+            str(tmp_path / "ckpt"),
+            str(out),
+            "--format",
+            "safetensors",
+            "--prefix",
+            "model.",
+            "--trainable-only",
+        ]
+    )
     written = safetensors.load_file(str(out / "model.safetensors"))
     want = {k.removeprefix("model."): v for k, v in runs["fsdp"][0]["adapter"].items()}
     assert sorted(written) == sorted(want) and all(torch.equal(written[k], want[k]) for k in want)
@@ -174,7 +219,10 @@ def test_trainable_elements_split_evenly_at_2_3_4_ranks(kind):
         shares = [sum(u.trainable_elements(rank) for u in units) for rank in range(world_size)]
         assert sum(shares) == total
         assert all(abs(share - total / world_size) <= 0.1 * total / world_size for share in shares), (
-            kind, world_size, shares)
+            kind,
+            world_size,
+            shares,
+        )
 
 
 class LowRank(torch.nn.Module):

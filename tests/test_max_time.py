@@ -37,8 +37,16 @@ class SlowOnRankOne(TiedLM):
 
 
 def _body(root: str) -> dict:
-    trainer = Trainer(strategy="ddp", devices=2, max_epochs=3, max_time={"seconds": 1.5}, default_root_dir=root,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        strategy="ddp",
+        devices=2,
+        max_epochs=3,
+        max_time={"seconds": 1.5},
+        default_root_dir=root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(new_model(SlowOnRankOne), DataLoader(token_dataset(), batch_size=2))
     return {"step": trainer.global_step, "saved": sorted(os.listdir(os.path.join(root, "checkpoints")))}
 

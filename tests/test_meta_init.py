@@ -46,14 +46,28 @@ class UserInit(nn.Module):
 
 
 def gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+        )
+    )
 
 
 def llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=61,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+    )
 
 
 def lora_gpt2() -> nn.Module:
@@ -61,13 +75,23 @@ def lora_gpt2() -> nn.Module:
 
 
 def vit() -> nn.Module:
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=16,
-                             depth=2, num_heads=2, num_classes=5, drop_path_rate=0.1)
+    return timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=16,
+        patch_size=8,
+        embed_dim=16,
+        depth=2,
+        num_heads=2,
+        num_classes=5,
+        drop_path_rate=0.1,
+    )
 
 
 def transformer() -> nn.Module:
-    return nn.Transformer(d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32,
-                          batch_first=True)
+    return nn.Transformer(
+        d_model=16, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=32, batch_first=True
+    )
 
 
 def _units(name: str) -> set[type]:
@@ -75,12 +99,24 @@ def _units(name: str) -> set[type]:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    return {"gpt2": {GPT2Block}, "lora_gpt2": {GPT2Block}, "llama": {LlamaDecoderLayer}, "vit": {Block},
-            "transformer": {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer}, "user": {nn.Linear}}[name]
+    return {
+        "gpt2": {GPT2Block},
+        "lora_gpt2": {GPT2Block},
+        "llama": {LlamaDecoderLayer},
+        "vit": {Block},
+        "transformer": {nn.TransformerEncoderLayer, nn.TransformerDecoderLayer},
+        "user": {nn.Linear},
+    }[name]
 
 
-MODELS = {"gpt2": gpt2, "llama": llama, "lora_gpt2": lora_gpt2, "vit": vit, "transformer": transformer,
-          "user": UserInit}
+MODELS = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "lora_gpt2": lora_gpt2,
+    "vit": vit,
+    "transformer": transformer,
+    "user": UserInit,
+}
 
 
 def built(name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -102,8 +138,13 @@ def body_built_on_meta(name: str) -> dict:
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}  # non-persistent ones too
     units = len(strategy.engine.units)
     strategy.teardown()
-    return {"state": state if dist.get_rank() == 0 else None, "buffers": buffers, "after": after,
-            "on_meta": on_meta, "units": units}
+    return {
+        "state": state if dist.get_rank() == 0 else None,
+        "buffers": buffers,
+        "after": after,
+        "on_meta": on_meta,
+        "units": units,
+    }
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -146,9 +187,16 @@ class GPT2Module(TrainModule):
 def body_trainer_bf16_true() -> dict | None:
     seed_everything(SEED)
     module = GPT2Module()
-    trainer = Trainer(strategy=FSDPStrategy(auto_wrap_policy=_units("gpt2")), devices=dist.get_world_size(),
-                      precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        strategy=FSDPStrategy(auto_wrap_policy=_units("gpt2")),
+        devices=dist.get_world_size(),
+        precision="bf16-true",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     tokens = torch.randint(0, 61, (4, 8), generator=torch.Generator().manual_seed(0))
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=2))
     return module.initial if trainer.is_global_zero else None

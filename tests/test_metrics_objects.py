@@ -91,8 +91,9 @@ class Classifier(TrainModule):
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, CLASSES))
         self.val_acc = MulticlassAccuracy(CLASSES)
         self.val_mse = MeanSquaredError()
-        self.test_metrics = MetricCollection({"acc": MulticlassAccuracy(CLASSES), "mse": MeanSquaredError()},
-                                             prefix="test/")
+        self.test_metrics = MetricCollection(
+            {"acc": MulticlassAccuracy(CLASSES), "mse": MeanSquaredError()}, prefix="test/"
+        )
         self.ids: list[int] = []
         self.computed: list[float] = []  # val/mse of each validation, as on_validation_epoch_end computed it
 
@@ -165,9 +166,16 @@ class EachValidation(Callback):
     def on_validation_end(self, trainer, module):
         if trainer.state.stage != "fit":
             return
-        self.seen.append({"sanity": trainer.sanity_checking, "val/mse": float(trainer.callback_metrics["val/mse"]),
-                          "val/acc": float(trainer.callback_metrics["val/acc"]), "ids": list(module.ids),
-                          "computed": module.computed[-1], "weights": trainer.strategy.full_state_dict()})
+        self.seen.append(
+            {
+                "sanity": trainer.sanity_checking,
+                "val/mse": float(trainer.callback_metrics["val/mse"]),
+                "val/acc": float(trainer.callback_metrics["val/acc"]),
+                "ids": list(module.ids),
+                "computed": module.computed[-1],
+                "weights": trainer.strategy.full_state_dict(),
+            }
+        )
 
 
 def run_stage(trainer: Trainer, module: Classifier, stage: str, data: DataLoader):
@@ -178,14 +186,18 @@ def run_stage(trainer: Trainer, module: Classifier, stage: str, data: DataLoader
 
 def body_every_pattern(name: str) -> dict:
     recorder = EachValidation()
-    trainer = Trainer(strategy=strategy(name), devices=world_size(), max_epochs=2, timeout=30, callbacks=[recorder],
-                      **QUIET)
+    trainer = Trainer(
+        strategy=strategy(name), devices=world_size(), max_epochs=2, timeout=30, callbacks=[recorder], **QUIET
+    )
     module = Classifier()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, loader(12, shuffle=True), loader())  # sanity check (2 steps), then 2 validations
-        out = {"fit": recorder.seen, "weights": trainer.strategy.full_state_dict(),
-               "state devices": metric_state_devices(module) | {str(trainer.strategy.root_device)}}
+        out = {
+            "fit": recorder.seen,
+            "weights": trainer.strategy.full_state_dict(),
+            "state devices": metric_state_devices(module) | {str(trainer.strategy.root_device)},
+        }
         for stage in ("validate", "test", "predict"):
             out[stage] = run_stage(trainer, module, stage, loader())
             out[f"{stage} stream"] = run_stage(trainer, module, stage, stream(STREAM_COUNTS[world_size()]))
@@ -237,8 +249,9 @@ def test_what_the_step_collects_equals_one_process_on_every_sample_once(rank_poo
         torch.testing.assert_close(predicted[:, 1:], want["logits"][order], rtol=1e-5, atol=1e-6)
     if devices == 3:
         assert all_ids(ranks, "validate 2 samples") == [0, 1]
-        assert ranks[0]["validate 2 samples"][0]["val/acc"] == pytest.approx(one_process(ranks[0]["weights"], 2)[
-            "val/acc"], rel=1e-6)
+        assert ranks[0]["validate 2 samples"][0]["val/acc"] == pytest.approx(
+            one_process(ranks[0]["weights"], 2)["val/acc"], rel=1e-6
+        )
     # The fallback for ranks left without a batch is said on rank 0, once per kind of step.
     assert all(r["notices"] == [] for r in ranks[1:])
     assert len(ranks[0]["notices"]) == (0 if devices == 1 else 3), ranks[0]["notices"]
@@ -273,15 +286,23 @@ def body_cannot_take_part(name: str, counts: list[int], module_class: str) -> st
     return "no error"
 
 
-@pytest.mark.parametrize("name, counts, module_class, match", [
-    ("fsdp", [3, 0], "Classifier", "rank(s) [1] have no batch"),  # no step ran before: no forward to repeat
-    ("ddp", [3, 1], "GathersInTheStep", "all_gather"),  # a collective of the user's own: no way to take part
-    # rank 1 sits out step 1 repeating the all-gathers of step 0, but rank 0's step 1 gathers one unit more
-    ("fsdp", [4, 2], "HeadAfterTheFirstStep", "validation_step 1 on rank 0: its collective 3 is the all-gather of "
-                                             "unit 'extra'"),
-])
-def test_a_rank_that_cannot_take_part_without_the_step_is_an_error_on_every_rank(rank_pool, name, counts,
-                                                                                 module_class, match):
+@pytest.mark.parametrize(
+    "name, counts, module_class, match",
+    [
+        ("fsdp", [3, 0], "Classifier", "rank(s) [1] have no batch"),  # no step ran before: no forward to repeat
+        ("ddp", [3, 1], "GathersInTheStep", "all_gather"),  # a collective of the user's own: no way to take part
+        # rank 1 sits out step 1 repeating the all-gathers of step 0, but rank 0's step 1 gathers one unit more
+        (
+            "fsdp",
+            [4, 2],
+            "HeadAfterTheFirstStep",
+            "validation_step 1 on rank 0: its collective 3 is the all-gather of unit 'extra'",
+        ),
+    ],
+)
+def test_a_rank_that_cannot_take_part_without_the_step_is_an_error_on_every_rank(
+    rank_pool, name, counts, module_class, match
+):
     for message in rank_pool(2).run(body_cannot_take_part, name, counts, module_class):
         assert match in message and "rank(s) [1]" in message.lower(), message
 
@@ -336,9 +357,17 @@ class TrainEpochAtValidation(Callback):
 def test_a_metric_object_logs_its_batch_value_per_step_and_compute_per_epoch():
     logger, at_validation = Recorded(), TrainEpochAtValidation()
     stopper = EarlyStopping("train/epoch_end", patience=1, check_on_train_epoch_end=True)  # 10, then 11: stop
-    trainer = Trainer(devices=1, max_epochs=3, log_every_n_steps=1, logger=logger, callbacks=[stopper, at_validation],
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0)
+    trainer = Trainer(
+        devices=1,
+        max_epochs=3,
+        log_every_n_steps=1,
+        logger=logger,
+        callbacks=[stopper, at_validation],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     module = TrainAccuracy()
     trainer.fit(module, loader(6), loader())
     assert (trainer.current_epoch, stopper.best_score) == (2, 10.0)  # it read what on_train_epoch_end logged
@@ -369,13 +398,25 @@ def test_a_metric_object_logs_its_batch_value_per_step_and_compute_per_epoch():
 def body_checkpoint_of_epoch_end_metric(root: str) -> dict:
     recorder, logger = EachValidation(), Recorded()
     saver = ModelCheckpoint(os.path.join(root, "ckpts"), monitor="val/mse", mode="min", save_top_k=1)
-    trainer = Trainer(strategy="ddp", devices=world_size(), max_epochs=3, logger=logger, callbacks=[recorder, saver],
-                      enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        strategy="ddp",
+        devices=world_size(),
+        max_epochs=3,
+        logger=logger,
+        callbacks=[recorder, saver],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     module = Classifier()
     trainer.fit(module, loader(12, shuffle=True), loader())
     validated = trainer.validate(module, loader())[0]
-    return {"seen": recorder.seen, "best": (saver.best_model_path, float(saver.best_model_score)),
-            "logged": logger.logged, "validated": validated, "computed": module.computed}
+    return {
+        "seen": recorder.seen,
+        "best": (saver.best_model_path, float(saver.best_model_score)),
+        "logged": logger.logged,
+        "validated": validated,
+        "computed": module.computed,
+    }
 
 
 def test_modelcheckpoint_keeps_what_one_process_keeps_for_a_metric_computed_at_epoch_end(rank_pool, tmp_path):
@@ -399,10 +440,22 @@ def body_no_validation_step(root: str, monitor: str | None) -> dict:
     from tests.test_lightning_demos import demo
 
     boring = demo("boring_classes")
-    callbacks = {"checkpoint": [ModelCheckpoint(monitor="val_loss")], "stopping": [EarlyStopping("val_loss")],
-                 None: []}[monitor]
-    trainer = Trainer(strategy="ddp", devices=2, max_epochs=1, limit_train_batches=4, callbacks=callbacks,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root)
+    callbacks = {
+        "checkpoint": [ModelCheckpoint(monitor="val_loss")],
+        "stopping": [EarlyStopping("val_loss")],
+        None: [],
+    }[monitor]
+    trainer = Trainer(
+        strategy="ddp",
+        devices=2,
+        max_epochs=1,
+        limit_train_batches=4,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -410,8 +463,11 @@ def body_no_validation_step(root: str, monitor: str | None) -> dict:
             error = None
         except ValueError as raised:
             error = str(raised)
-    return {"step": trainer.global_step, "error": error,
-            "warnings": [str(w.message) for w in caught if "validation_step" in str(w.message)]}
+    return {
+        "step": trainer.global_step,
+        "error": error,
+        "warnings": [str(w.message) for w in caught if "validation_step" in str(w.message)],
+    }
 
 
 def test_a_module_without_validation_step_trains_and_says_validation_is_skipped(rank_pool, tmp_path):
@@ -482,8 +538,14 @@ def fit_and_test_resetting(trainer_class: type, logger: Any, **trainer_kwargs) -
         from lightning.pytorch import LightningModule as base
     torch.manual_seed(0)
     module = resetting_module(base)()
-    trainer = trainer_class(max_epochs=2, logger=logger, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, **trainer_kwargs)
+    trainer = trainer_class(
+        max_epochs=2,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
     trainer.fit(module, loader(8), loader(6))
     trainer.test(module, loader(6))
     logged: dict[str, list[float]] = {}  # by name, in the order logged

@@ -27,8 +27,13 @@ from callbacks import ModelCheckpoint
 from strategies import FSDPStrategy
 from trainer import Trainer, TrainModule
 
-QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "num_sanity_val_steps": 0,
-         "enable_model_summary": False}
+QUIET = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "num_sanity_val_steps": 0,
+    "enable_model_summary": False,
+}
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -129,8 +134,10 @@ def body_uneven_evaluation(name: str, sizes: list[int]) -> dict:
     trainer = Trainer(strategy=strategy(name), devices=2, max_epochs=1, timeout=20, **QUIET)
     module = Probe()
     trainer.fit(module, loader(16, shuffle=True), loader(63))  # 2 steps, then validation
-    result = {"fit": (float(trainer.callback_metrics["val/loss"]), module.seen),
-              "weights": trainer.strategy.full_state_dict()}
+    result = {
+        "fit": (float(trainer.callback_metrics["val/loss"]), module.seen),
+        "weights": trainer.strategy.full_state_dict(),
+    }
     for n in sizes:
         module.seen = []
         validated = trainer.validate(module, loader(n))[0]
@@ -244,8 +251,11 @@ def body_uneven_stream(name: str) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(Probe(), DataLoader(RankStream([10, 6]), batch_size=2))  # 5 and 3 batches
-    return {"step": trainer.global_step, "weights": trainer.strategy.full_state_dict(),
-            "warnings": [str(w.message) for w in caught if "unused" in str(w.message)]}
+    return {
+        "step": trainer.global_step,
+        "weights": trainer.strategy.full_state_dict(),
+        "warnings": [str(w.message) for w in caught if "unused" in str(w.message)],
+    }
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -305,8 +315,15 @@ def test_a_val_check_interval_longer_than_the_epoch_is_an_error_naming_both_numb
 
 def body_monitored_metric_never_logged(root: str) -> str:
     saver = ModelCheckpoint(os.path.join(root, "ckpts"), monitor="val/loss")
-    trainer = Trainer(strategy="ddp", devices=2, max_epochs=1, check_val_every_n_epoch=2, logger=False,
-                      enable_progress_bar=False, callbacks=[saver])
+    trainer = Trainer(
+        strategy="ddp",
+        devices=2,
+        max_epochs=1,
+        check_val_every_n_epoch=2,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[saver],
+    )
     try:
         trainer.fit(Probe(), loader(16), loader(8))
     except ValueError as error:
@@ -333,10 +350,14 @@ def body_nonfinite(name: str, module_kwargs: dict, **trainer_kwargs) -> dict:
         except FloatingPointError as e:
             error = str(e)
     weights = trainer.strategy.full_state_dict()
-    return {"error": error, "step": trainer.global_step, "weights": weights,
-            "finite": all(bool(torch.isfinite(w).all()) for w in weights.values()),
-            "skipped": trainer.callback_metrics.get("skipped_nonfinite_steps"),
-            "warnings": [str(w.message) for w in caught if "non-finite" in str(w.message)]}
+    return {
+        "error": error,
+        "step": trainer.global_step,
+        "weights": weights,
+        "finite": all(bool(torch.isfinite(w).all()) for w in weights.values()),
+        "skipped": trainer.callback_metrics.get("skipped_nonfinite_steps"),
+        "warnings": [str(w.message) for w in caught if "non-finite" in str(w.message)],
+    }
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -404,8 +425,11 @@ def test_a_second_fit_on_the_same_trainer_is_an_error(rank_pool):
 def body_bf16_true(name: str) -> dict:
     trainer = Trainer(strategy=strategy(name), devices=2, max_epochs=1, precision="bf16-true", **QUIET)
     trainer.fit(Probe(), loader(24), loader(8))  # 3 steps, then validation
-    return {"val": float(trainer.callback_metrics["val/loss"]), "step": trainer.global_step,
-            "dtypes": {w.dtype for w in trainer.strategy.full_state_dict().values()}}
+    return {
+        "val": float(trainer.callback_metrics["val/loss"]),
+        "step": trainer.global_step,
+        "dtypes": {w.dtype for w in trainer.strategy.full_state_dict().values()},
+    }
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -429,8 +453,7 @@ class Wide(Probe):
 
 
 def body_disk_full(root: str, small: str) -> dict:
-    trainer = Trainer(strategy=strategy("fsdp"), devices=2, max_steps=2,
-                      default_root_dir=root, **QUIET)
+    trainer = Trainer(strategy=strategy("fsdp"), devices=2, max_steps=2, default_root_dir=root, **QUIET)
     trainer.fit(Wide(), loader(16))
     path = os.path.join(small, "last")
     trainer.save_checkpoint(path)

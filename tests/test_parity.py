@@ -84,8 +84,9 @@ def make_optimizer(module: nn.Module, name: str) -> torch.optim.Optimizer:
 
 def token_dataset(samples: int = 36, seed: int = 1) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randint(0, VOCAB, (samples, SEQ), generator=g),
-                         torch.randint(0, VOCAB, (samples, SEQ), generator=g))
+    return TensorDataset(
+        torch.randint(0, VOCAB, (samples, SEQ), generator=g), torch.randint(0, VOCAB, (samples, SEQ), generator=g)
+    )
 
 
 def new_model(cls: type[TrainModule] = TiedLM, seed: int = 0, **kwargs) -> TrainModule:
@@ -98,11 +99,28 @@ def make_strategy(name: str):
     return FSDPStrategy(auto_wrap_policy={Block}) if name == "fsdp" else name
 
 
-def fit(module: TrainModule, strategy, devices: int, batch_size: int, steps: int = STEPS,
-        dataset: TensorDataset | None = None, clip: float = CLIP, **trainer_kwargs) -> Trainer:
-    trainer = Trainer(strategy=strategy, devices=devices, max_steps=steps, max_epochs=1,
-                      accumulate_grad_batches=ACCUMULATE, gradient_clip_val=clip, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, **trainer_kwargs)
+def fit(
+    module: TrainModule,
+    strategy,
+    devices: int,
+    batch_size: int,
+    steps: int = STEPS,
+    dataset: TensorDataset | None = None,
+    clip: float = CLIP,
+    **trainer_kwargs,
+) -> Trainer:
+    trainer = Trainer(
+        strategy=strategy,
+        devices=devices,
+        max_steps=steps,
+        max_epochs=1,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        **trainer_kwargs,
+    )
     loader = DataLoader(dataset if dataset is not None else token_dataset(), batch_size=batch_size, shuffle=False)
     trainer.fit(module, loader)
     return trainer
@@ -202,8 +220,7 @@ def test_fused_adamw_steps_each_ranks_pieces_as_one_process_steps_everything(ran
 def body_float64_with_clipping(clip: float) -> dict[str, dict[str, torch.Tensor]] | None:
     results = {}
     for name in STRATEGIES:
-        trainer = fit(new_model(optimizer="sgd").double(), make_strategy(name), world_size(), PER_RANK_BATCH,
-                      clip=clip)
+        trainer = fit(new_model(optimizer="sgd").double(), make_strategy(name), world_size(), PER_RANK_BATCH, clip=clip)
         results[name] = trainer.strategy.full_state_dict()
     return results if torch.distributed.get_rank() == 0 else None
 

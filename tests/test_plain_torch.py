@@ -24,6 +24,7 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 STEPS, PER_RANK, ACCUMULATE, CLIP = 4, 2, 2, 0.3
 CLIP_VALUE = 0.01  # clip_grad_value_'s bound: below most gradient elements here
 
+
 class Sometimes(TiedLM):
     """TiedLM plus parameters that get no gradient on some steps or ranks."""
 
@@ -43,26 +44,31 @@ class Sometimes(TiedLM):
             h = h + torch.tanh(self.branch(h))
         return self.head(self.frozen(h))
 
+
 def takes_branch(rank: int, step: int) -> bool:
     return (rank + step) % 3 == 0  # rank 0 at steps 0 and 3, rank 1 at step 2, rank 2 at step 1; none at times
+
 
 def rank_batch(rank: int, world_size: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = token_dataset(samples=STEPS * ACCUMULATE * PER_RANK * 3).tensors
     start = ((step * ACCUMULATE + micro) * world_size + rank) * PER_RANK
     return x[start : start + PER_RANK], y[start : start + PER_RANK]
 
+
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor, step: int, branch: bool) -> torch.Tensor:
     return F.cross_entropy(model(x, step, branch).reshape(-1, VOCAB), y.reshape(-1))
+
 
 def new_sometimes() -> Sometimes:
     torch.manual_seed(0)
     return Sometimes()
 
+
 def adamw(model: nn.Module) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.5}, {"params": other, "weight_decay": 0.0}],
-                             lr=0.01)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.5}, {"params": other, "weight_decay": 0.0}], lr=0.01)
+
 
 def torch_clip(model: nn.Module, clip: str) -> float | None:
     """Clip with torch's own functions: "norm" (L2, the default path), "value", "inf-foreach" (the infinity norm
@@ -82,8 +88,10 @@ def one_process(world_size: int, clip: str = "norm") -> tuple[dict[str, torch.Te
     without_grad, norms = [], []
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
-            losses = [loss_of(model, *rank_batch(r, world_size, step, micro), step, takes_branch(r, step))
-                      for r in range(world_size)]
+            losses = [
+                loss_of(model, *rank_batch(r, world_size, step, micro), step, takes_branch(r, step))
+                for r in range(world_size)
+            ]
             (torch.stack(losses).mean() / ACCUMULATE).backward()
         norms.append(torch_clip(model, clip))
         without_grad.append(sorted(n for n, p in model.named_parameters() if p.requires_grad and p.grad is None))
@@ -91,12 +99,14 @@ def one_process(world_size: int, clip: str = "norm") -> tuple[dict[str, torch.Te
         optimizer.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, without_grad, norms
 
+
 def make(name: str):
     if name == "zero1-bf16":  # the ZeRO paper's configuration: bf16 replicas, fp32 master and optimizer state
         return ZeroStrategy(stage=1, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     if name == "hsdp1":  # hybrid: each rank a shard group of its own, the two replicated
         return FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=1)
     return FSDPStrategy(auto_wrap_policy={Block}) if name == "fsdp" else get_strategy(name)
+
 
 def plain_loop(name: str, clip: str = "strategy") -> tuple[dict[str, torch.Tensor], list[list[str]], list]:
     """The README's plain loop, on this process's group (or alone), with accumulation and clipping (by
@@ -120,8 +130,10 @@ def plain_loop(name: str, clip: str = "strategy") -> tuple[dict[str, torch.Tenso
         assert all(p.grad is None for p in model.parameters())
     return strategy.full_state_dict(), without_grad, norms
 
+
 def body_plain_loops() -> dict[str, tuple]:
     return {name: plain_loop(name) for name in STRATEGIES}
+
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_a_plain_torch_loop_matches_one_process(rank_pool, world_size):
@@ -142,7 +154,9 @@ def test_a_plain_torch_loop_matches_one_process(rank_pool, world_size):
             if without_grad:
                 assert without_grad == want_without_grad, (name, rank)
 
+
 # ------------------------------------------------------------------------------ the model outside the loop
+
 
 def body_model_outside_the_loop(policy: str) -> dict[str, torch.Tensor]:
     """After training, call the model in every way a user would; all must match a plain copy of its weights."""
@@ -162,6 +176,7 @@ def body_model_outside_the_loop(policy: str) -> dict[str, torch.Tensor]:
     out["state"] = strategy.full_state_dict()
     return out
 
+
 @pytest.mark.parametrize("policy", ["whole", "blocks"])
 def test_an_fsdp_model_computes_with_its_real_weights_wherever_it_is_called(rank_pool, policy):
     for rank, out in enumerate(rank_pool(2).run(body_model_outside_the_loop, policy)):
@@ -174,6 +189,7 @@ def test_an_fsdp_model_computes_with_its_real_weights_wherever_it_is_called(rank
             assert torch.allclose(out["submodule"], plain.blocks[1](plain.emb(x)), atol=1e-6)
             assert torch.allclose(out["with_grad"], plain(x, 0, True), atol=1e-6)
             assert out["no_grad"].abs().sum() > 0
+
 
 # ------------------------------------------------------------------------------ checkpoints of the plain loop
 
@@ -234,8 +250,10 @@ def test_the_plain_loop_saves_and_resumes_under_any_strategy_and_world_size(rank
     path = str(tmp_path / "ckpt")
     uninterrupted = rank_pool(2).run(body_save_and_go_on, "fsdp", path)[0]
     assert max_relative_difference(uninterrupted, want) <= 1e-5
-    resumed = {"ddp, 2 ranks": rank_pool(2).run(body_resume, "ddp", path)[1],
-               "zero2, 1 rank": body_resume("zero2", path)}
+    resumed = {
+        "ddp, 2 ranks": rank_pool(2).run(body_resume, "ddp", path)[1],
+        "zero2, 1 rank": body_resume("zero2", path),
+    }
     for where, (got, extra, lr) in resumed.items():
         assert max_relative_difference(got, want) <= 1e-5, where
         assert extra == {"scheduler": {**extra["scheduler"]}, "step": SAVE_AT} and lr == 0.01 * 0.5**STEPS, where

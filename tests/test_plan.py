@@ -31,8 +31,16 @@ from trainer import Trainer, TrainModule
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 GB = 1e9
-KINDS = ("parameters", "gradients", "optimizer", "units_in_flight", "activations", "temporaries", "optimizer_step",
-         "total")
+KINDS = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "units_in_flight",
+    "activations",
+    "temporaries",
+    "optimizer_step",
+    "total",
+)
 
 
 # ---------------------------------------------------------------------------------------------- model state
@@ -57,8 +65,7 @@ def test_zero_paper_figure_1():
     """Rajbhandari et al. 2019, Figure 1: 7.5B parameters, mixed-precision Adam (K = 12), 64 ranks."""
     with torch.device("meta"):
         model = LinearStack(300, 5000)  # 7.5e9 parameters
-    plan = plan_memory(model, world_size=64, param_dtype=torch.float16, optimizer="adam",
-                       wrap_policy={nn.Linear})
+    plan = plan_memory(model, world_size=64, param_dtype=torch.float16, optimizer="adam", wrap_policy={nn.Linear})
     paper = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "fsdp": 1.9}
     for name, want in paper.items():
         got = plan.strategies[name].model_state / GB
@@ -101,17 +108,24 @@ def body_plan_and_engine_report() -> dict[str, tuple[tuple[int, ...], tuple[int,
     for name, (spec, policy, param_dtype) in engine_cases().items():
         torch.manual_seed(0)
         model = TiedLM()
-        planned = model_state_bytes(model, spec, world_size, rank=rank, wrap_policy=policy,
-                                    param_dtype=param_dtype, optimizer="adamw")
-        engine = ShardingEngine(model, spec, wrap_policy=resolve_wrap_policy(policy),
-                                unit_options=UnitOptions(param_dtype=param_dtype) if param_dtype else None)
+        planned = model_state_bytes(
+            model, spec, world_size, rank=rank, wrap_policy=policy, param_dtype=param_dtype, optimizer="adamw"
+        )
+        engine = ShardingEngine(
+            model,
+            spec,
+            wrap_policy=resolve_wrap_policy(policy),
+            unit_options=UnitOptions(param_dtype=param_dtype) if param_dtype else None,
+        )
         optimizer = engine.setup_optimizer(torch.optim.AdamW(model.parameters()))
         x = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(rank))
         F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
         optimizer.step()
         report = memory_report(engine)
-        out[name] = ((planned.parameters, planned.gradients, planned.optimizer),
-                     (report["parameters"], report["gradients"], report["optimizer_state"]))
+        out[name] = (
+            (planned.parameters, planned.gradients, planned.optimizer),
+            (report["parameters"], report["gradients"], report["optimizer_state"]),
+        )
     return out
 
 
@@ -172,8 +186,9 @@ def test_activation_checkpointing_keeps_only_the_inputs():
     b, depth, width, hidden = 2, 4, 8, 32
     plain = plan_memory(ResidualStack(depth, width, hidden), batch_size=b).activations
     assert plain == depth * b * (width + hidden) * 4
-    checkpointed = plan_memory(ResidualStack(depth, width, hidden), batch_size=b,
-                               activation_checkpointing={Residual}).activations
+    checkpointed = plan_memory(
+        ResidualStack(depth, width, hidden), batch_size=b, activation_checkpointing={Residual}
+    ).activations
     assert checkpointed == depth * b * width * 4 + b * hidden * 4
 
 
@@ -183,8 +198,10 @@ def test_mixed_precision_and_token_models():
     bf16-true and 16-true (every precision the Trainer takes) halve the model state as well."""
     from examples.llama import llama_tiny
 
-    fp32, bf16, true, fp16_true = (plan_memory(llama_tiny(), batch_size=8, seq_len=64, precision=precision)
-                                   for precision in ("32", "bf16-mixed", "bf16-true", "16-true"))
+    fp32, bf16, true, fp16_true = (
+        plan_memory(llama_tiny(), batch_size=8, seq_len=64, precision=precision)
+        for precision in ("32", "bf16-mixed", "bf16-true", "16-true")
+    )
     assert 0 < true.activations < bf16.activations < 0.8 * fp32.activations
     assert fp32.strategies["ddp"].model_state == bf16.strategies["ddp"].model_state
     assert fp32.strategies["ddp"].model_state == 2 * true.strategies["ddp"].model_state
@@ -228,8 +245,20 @@ def test_a_70b_model_is_planned_without_memory():
 
 
 def test_command_line_json(capsys):
-    plan_main(["examples.gpt:gpt_quickstart", "--world-size", "2", "--batch-size", "2", "--seq-len", "32",
-               "--wrap", "Block", "--json"])
+    plan_main(
+        [
+            "examples.gpt:gpt_quickstart",
+            "--world-size",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--wrap",
+            "Block",
+            "--json",
+        ]
+    )
     plan = json.loads(capsys.readouterr().out)
     assert list(plan) == [name for name in STRATEGY_ORDER if name != "hsdp"]  # hsdp: with --hybrid-shard or nodes
     for name, row in plan.items():
@@ -482,8 +511,11 @@ def _fit_measured(strategy: str, precision: str, checkpointed: bool, steps: int 
     config = GPTConfig(**MEASURED_CONFIG)
     data = TextWindows(torch.randint(0, 256, (config.block_size * 16 + 1,), dtype=torch.uint8), config.block_size)
     loader = DataLoader(data, batch_size=MEASURED_BATCH)
-    chosen = (FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing={Block} if checkpointed else None)
-              if strategy == "fsdp" else strategy)
+    chosen = (
+        FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing={Block} if checkpointed else None)
+        if strategy == "fsdp"
+        else strategy
+    )
     trainer = Trainer(strategy=chosen, devices=2, max_steps=steps, precision=precision, **QUIET)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -501,8 +533,14 @@ def test_plan_total_is_within_ten_percent_of_the_measured_peak(rank_pool, case):
     strategy, precision, checkpointed = MEASURED_CASES[case]
     with torch.device("meta"):
         module = GPTModule(GPTConfig(**MEASURED_CONFIG))
-    plan = plan_memory(module, world_size=2, batch_size=MEASURED_BATCH, precision=precision, wrap_policy={Block},
-                       activation_checkpointing={Block} if checkpointed else None)
+    plan = plan_memory(
+        module,
+        world_size=2,
+        batch_size=MEASURED_BATCH,
+        precision=precision,
+        wrap_policy={Block},
+        activation_checkpointing={Block} if checkpointed else None,
+    )
     planned = plan.strategies[strategy].total
     measured = rank_pool(2).run(body_peak_above_baseline, strategy, precision, checkpointed)
     ratios = [planned / peak for peak in measured]

@@ -26,9 +26,18 @@ PHASES = ("forward", "backward", "optimizer", "step")
 
 
 def _fit(root: str, **kwargs) -> Trainer:
-    trainer = Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}), devices=2, max_steps=STEPS, max_epochs=1,
-                      default_root_dir=root, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+    trainer = Trainer(
+        strategy=FSDPStrategy(auto_wrap_policy={Block}),
+        devices=2,
+        max_steps=STEPS,
+        max_epochs=1,
+        default_root_dir=root,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
     trainer.fit(new_model(TiedLM), DataLoader(token_dataset(), batch_size=2))
     return trainer
 
@@ -45,8 +54,18 @@ def test_simple_profiler_prints_the_table_and_the_logger_gets_time_metrics(rank_
 
     table = results[0]["printed"]
     assert results[1]["printed"] == ""  # rank 0 prints, for every rank
-    for row in ("forward", "backward", "optimizer", "optimizer step (wall)", "all_gather", "reduce_scatter",
-                "unit 'blocks.0'", "unit 'blocks.1'", "exposed", "all_reduce"):
+    for row in (
+        "forward",
+        "backward",
+        "optimizer",
+        "optimizer step (wall)",
+        "all_gather",
+        "reduce_scatter",
+        "unit 'blocks.0'",
+        "unit 'blocks.1'",
+        "exposed",
+        "all_reduce",
+    ):
         assert row in table, row
     assert "Mean (ms)" in table and "Total (s)" in table and "slowest rank" in table
     assert not results[0]["watched"] and not results[1]["watched"]  # nothing watches the collectives after fit
@@ -75,13 +94,21 @@ def test_pytorch_profiler_writes_a_chrome_trace_per_rank_with_the_engines_named_
         with open(files[0]) as f:
             trace = json.load(f)  # Perfetto and chrome://tracing read this JSON
         names = {event.get("name", "") for event in trace["traceEvents"]}
-        for expected in ("shardtrain/all_gather blocks.0", "shardtrain/wait all_gather blocks.0",
-                         "shardtrain/forward blocks.1",
-                         "shardtrain/training_step", "shardtrain/backward", "shardtrain/optimizer_step"):
+        for expected in (
+            "shardtrain/all_gather blocks.0",
+            "shardtrain/wait all_gather blocks.0",
+            "shardtrain/forward blocks.1",
+            "shardtrain/training_step",
+            "shardtrain/backward",
+            "shardtrain/optimizer_step",
+        ):
             assert expected in names, (rank, expected, sorted(n for n in names if "shardtrain" in n))
         # Small units' reductions are one collective, named by its units: "reduce_scatter blocks.1+blocks.0+<root>".
-        reductions = [n.removeprefix("shardtrain/reduce_scatter ").split("+") for n in names
-                      if n.startswith("shardtrain/reduce_scatter ")]
+        reductions = [
+            n.removeprefix("shardtrain/reduce_scatter ").split("+")
+            for n in names
+            if n.startswith("shardtrain/reduce_scatter ")
+        ]
         assert any("blocks.1" in units for units in reductions), (rank, reductions)
         assert trace.get("distributedInfo", {}).get("rank") == rank
 

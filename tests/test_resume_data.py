@@ -54,19 +54,36 @@ class Regression(TrainModule):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
-def fit(root: str, name: str, workers: int, persistent: bool, max_steps: int, ckpt_path: str | None = None,
-        save_to: str | None = None, stateful: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+def fit(
+    root: str,
+    name: str,
+    workers: int,
+    persistent: bool,
+    max_steps: int,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+    stateful: bool = False,
+) -> tuple[dict[str, torch.Tensor], int]:
     """(the weights, the samples this rank loaded)."""
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     log_dir = os.path.join(root, f"rank{dist.get_rank()}")
     os.makedirs(log_dir)
     seed_everything(0)
-    loader = (StatefulDataLoader if stateful else DataLoader)(Augmented(log_dir), batch_size=BATCH, shuffle=True,
-                                                              num_workers=workers, persistent_workers=persistent)
+    loader = (StatefulDataLoader if stateful else DataLoader)(
+        Augmented(log_dir), batch_size=BATCH, shuffle=True, num_workers=workers, persistent_workers=persistent
+    )
     strategy = FSDPStrategy() if name == "fsdp" else name
-    trainer = Trainer(strategy=strategy, devices=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=root)
+    trainer = Trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     trainer.fit(Regression(), loader, ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
@@ -78,19 +95,24 @@ def body_resume(root: str, name: str, workers: int, persistent: bool, stop: int,
     straight, _ = fit(os.path.join(root, "straight"), name, workers, persistent, TOTAL, stateful=stateful)
     path = os.path.join(root, "ckpt")
     fit(os.path.join(root, "first"), name, workers, persistent, stop, save_to=path, stateful=stateful)
-    resumed, loads = fit(os.path.join(root, "resumed"), name, workers, persistent, TOTAL, ckpt_path=path,
-                         stateful=stateful)
+    resumed, loads = fit(
+        os.path.join(root, "resumed"), name, workers, persistent, TOTAL, ckpt_path=path, stateful=stateful
+    )
     return {"straight": straight, "resumed": resumed, "loads": loads}
 
 
-@pytest.mark.parametrize("name, workers, persistent, stop, stateful", [
-    ("ddp", 0, False, 3, False),
-    ("ddp", 2, False, 8, True),  # a map-style StatefulDataLoader: rebuilt as one, resumed by the Trainer's sampler
-    ("fsdp", 2, True, 3, False),
-    ("fsdp", 0, False, 8, False),
-])
-def test_a_mid_epoch_resume_with_workers_and_augmentation_is_exact(rank_pool, tmp_path, name, workers, persistent,
-                                                                   stop, stateful):
+@pytest.mark.parametrize(
+    "name, workers, persistent, stop, stateful",
+    [
+        ("ddp", 0, False, 3, False),
+        ("ddp", 2, False, 8, True),  # a map-style StatefulDataLoader: rebuilt as one, resumed by the Trainer's sampler
+        ("fsdp", 2, True, 3, False),
+        ("fsdp", 0, False, 8, False),
+    ],
+)
+def test_a_mid_epoch_resume_with_workers_and_augmentation_is_exact(
+    rank_pool, tmp_path, name, workers, persistent, stop, stateful
+):
     ranks = rank_pool(2).run(body_resume, str(tmp_path), name, workers, persistent, stop, stateful)
     for rank, result in enumerate(ranks):
         assert_states_close(result["resumed"], result["straight"], atol=0)
@@ -124,8 +146,15 @@ def _load_row(row: dict, log_dir: str) -> dict:
     return {"x": torch.randn(FEATURES, generator=g).tolist(), "y": [float(row["idx"] % 5)]}
 
 
-def stream_loader(log_dir: str, rank: int, world_size: int, workers: int, stateful: bool, split: bool = True,
-                  shuffle_buffer: int | None = None):
+def stream_loader(
+    log_dir: str,
+    rank: int,
+    world_size: int,
+    workers: int,
+    stateful: bool,
+    split: bool = True,
+    shuffle_buffer: int | None = None,
+):
     """A HuggingFace IterableDataset built from local rows in 4 shards (shuffled through a buffer of
     `shuffle_buffer` rows when given), split by rank, read by torchdata's StatefulDataLoader or a plain
     DataLoader."""
@@ -163,18 +192,36 @@ def fit_stream(root: str, name: str, workers: int, stateful: bool, ckpt_path: st
     log_dir = os.path.join(root, f"rank{rank}")
     os.makedirs(log_dir)
     seed_everything(0)
-    callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=STREAM_STOP, save_top_k=-1,
-                                 filename="{step}", async_save=kwargs.pop("async_save", False))]
-    trainer = Trainer(strategy=FSDPStrategy() if name == "fsdp" else name, devices=world_size,
-                      max_steps=kwargs.pop("max_steps", STREAM_TOTAL), logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=callbacks, default_root_dir=root)
+    callbacks = [
+        ModelCheckpoint(
+            dirpath=os.path.join(root, "ckpt"),
+            every_n_train_steps=STREAM_STOP,
+            save_top_k=-1,
+            filename="{step}",
+            async_save=kwargs.pop("async_save", False),
+        )
+    ]
+    trainer = Trainer(
+        strategy=FSDPStrategy() if name == "fsdp" else name,
+        devices=world_size,
+        max_steps=kwargs.pop("max_steps", STREAM_TOTAL),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+    )
     module = StreamRegression()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, stream_loader(log_dir, rank, world_size, workers, stateful, **kwargs), ckpt_path=ckpt_path)
     loads = [int(line) for f in os.listdir(log_dir) for line in open(os.path.join(log_dir, f))]
-    return {"weights": trainer.strategy.full_state_dict(), "trained": module.trained, "loads": loads,
-            "warnings": [str(w.message) for w in caught]}
+    return {
+        "weights": trainer.strategy.full_state_dict(),
+        "trained": module.trained,
+        "loads": loads,
+        "warnings": [str(w.message) for w in caught],
+    }
 
 
 def body_stream_resume(root: str, name: str, workers: int, stateful: bool, async_save: bool) -> dict:
@@ -184,12 +231,14 @@ def body_stream_resume(root: str, name: str, workers: int, stateful: bool, async
     return {"straight": straight, "resumed": resumed, "checkpoint": checkpoint}
 
 
-@pytest.mark.parametrize("name, workers, stateful, async_save", [
-    ("ddp", 2, True, False),  # torchdata's StatefulDataLoader: its state holds each worker's position
-    ("fsdp", 0, False, True),  # a plain DataLoader without workers: the HuggingFace dataset's own state
-])
-def test_a_resumed_stream_reads_on_from_the_loaders_own_state(rank_pool, tmp_path, name, workers, stateful,
-                                                               async_save):
+@pytest.mark.parametrize(
+    "name, workers, stateful, async_save",
+    [
+        ("ddp", 2, True, False),  # torchdata's StatefulDataLoader: its state holds each worker's position
+        ("fsdp", 0, False, True),  # a plain DataLoader without workers: the HuggingFace dataset's own state
+    ],
+)
+def test_a_resumed_stream_reads_on_from_the_loaders_own_state(rank_pool, tmp_path, name, workers, stateful, async_save):
     """Nothing trained before the checkpoint is loaded again, every row is trained once per epoch, and the resumed
     run ends with the uninterrupted run's weights exactly."""
     from collections import Counter
@@ -200,11 +249,11 @@ def test_a_resumed_stream_reads_on_from_the_loaders_own_state(rank_pool, tmp_pat
         trained_before = straight["trained"][: STREAM_STOP * STREAM_BATCH]
         assert Counter(straight["trained"]) == {row: 2 for row in set(straight["trained"])}, rank  # once an epoch
         assert len(set(straight["trained"])) == ROWS // 2, rank
-        assert resumed["trained"] == straight["trained"][STREAM_STOP * STREAM_BATCH:], rank
+        assert resumed["trained"] == straight["trained"][STREAM_STOP * STREAM_BATCH :], rank
         # each row loaded once for each time the resumed run trains it: none of those trained before again
         assert Counter(resumed["loads"]) == Counter(resumed["trained"]), (rank, sorted(resumed["loads"]))
         assert len(resumed["loads"]) == (STREAM_TOTAL - STREAM_STOP) * STREAM_BATCH  # 24 rows, not 36
-        assert not set(trained_before) - set(straight["trained"][STREAM_BATCH * 6:]), rank  # (all back in epoch 2)
+        assert not set(trained_before) - set(straight["trained"][STREAM_BATCH * 6 :]), rank  # (all back in epoch 2)
         assert_states_close(resumed["weights"], straight["weights"], atol=0)
         assert not [w for w in straight["warnings"] + resumed["warnings"] if "same first training batch" in w]
         assert not [w for w in resumed["warnings"] if "loaded again" in w]
@@ -219,8 +268,15 @@ def test_a_resumed_stream_reads_on_from_the_loaders_own_state(rank_pool, tmp_pat
 
 def fit_one_process(root: str, checkpoint: str, shuffle_buffer: int | None = None, **fit_kwargs) -> dict:
     os.makedirs(os.path.join(root, "rank0"))
-    trainer = Trainer(devices=1, max_steps=STREAM_TOTAL, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=root)
+    trainer = Trainer(
+        devices=1,
+        max_steps=STREAM_TOTAL,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     module = StreamRegression()
     loader = stream_loader(os.path.join(root, "rank0"), 0, 1, 0, True, shuffle_buffer=shuffle_buffer)
     trainer.fit(module, loader, ckpt_path=checkpoint, **fit_kwargs)
@@ -230,15 +286,17 @@ def fit_one_process(root: str, checkpoint: str, shuffle_buffer: int | None = Non
 def body_shuffled_stream_resume(root: str, name: str, workers: int, stateful: bool) -> dict:
     straight = fit_stream(os.path.join(root, "straight"), name, workers, stateful, shuffle_buffer=6)
     checkpoint = os.path.join(root, "straight", "ckpt", f"step={STREAM_STOP}")
-    resumed = fit_stream(os.path.join(root, "resumed"), name, workers, stateful, ckpt_path=checkpoint,
-                         shuffle_buffer=6)
+    resumed = fit_stream(os.path.join(root, "resumed"), name, workers, stateful, ckpt_path=checkpoint, shuffle_buffer=6)
     return {"straight": straight, "resumed": resumed, "checkpoint": checkpoint}
 
 
-@pytest.mark.parametrize("name, workers, stateful", [
-    ("ddp", 0, False),  # the HuggingFace dataset's own state, without workers
-    ("fsdp", 2, True),  # torchdata's StatefulDataLoader with 2 workers (datasets failed loading its state)
-])
+@pytest.mark.parametrize(
+    "name, workers, stateful",
+    [
+        ("ddp", 0, False),  # the HuggingFace dataset's own state, without workers
+        ("fsdp", 2, True),  # torchdata's StatefulDataLoader with 2 workers (datasets failed loading its state)
+    ],
+)
 def test_a_resumed_shuffled_stream_trains_every_row_of_the_epoch_once(rank_pool, tmp_path, name, workers, stateful):
     """A HuggingFace shuffle buffer is not in the stream's state: rows in the buffer at the checkpoint would never
     be trained. The resume reads the epoch again and skips the batches trained, which is exact, and says so."""
@@ -248,10 +306,11 @@ def test_a_resumed_shuffled_stream_trains_every_row_of_the_epoch_once(rank_pool,
     per_epoch = 6 * STREAM_BATCH  # 18 rows per rank and epoch
     for rank, result in enumerate(ranks):
         straight, resumed = result["straight"], result["resumed"]
-        first_epoch = straight["trained"][:STREAM_STOP * STREAM_BATCH] + resumed["trained"][:(6 - STREAM_STOP) *
-                                                                                           STREAM_BATCH]
+        first_epoch = (
+            straight["trained"][: STREAM_STOP * STREAM_BATCH] + resumed["trained"][: (6 - STREAM_STOP) * STREAM_BATCH]
+        )
         assert Counter(first_epoch) == {row: 1 for row in set(first_epoch)} and len(first_epoch) == per_epoch, rank
-        assert resumed["trained"] == straight["trained"][STREAM_STOP * STREAM_BATCH:], rank
+        assert resumed["trained"] == straight["trained"][STREAM_STOP * STREAM_BATCH :], rank
         assert_states_close(resumed["weights"], straight["weights"], atol=0)
         said = [w for w in resumed["warnings"] if "shuffle buffer" in w]
         assert len(said) == 1 and "exact" in said[0], (rank, resumed["warnings"])
@@ -259,14 +318,25 @@ def test_a_resumed_shuffled_stream_trains_every_row_of_the_epoch_once(rank_pool,
         checkpoint = ranks[0]["checkpoint"]
         with pytest.raises(ValueError, match=r"read by 2 ranks, and this run has 1.*restore_loader_state=False"):
             fit_one_process(str(tmp_path / "one"), checkpoint, shuffle_buffer=6)
-        with pytest.warns(UserWarning, match=r"skips its first 24 samples \(24 in all\), so in this epoch some "
-                                             "samples train twice and as many not at all"):
+        with pytest.warns(
+            UserWarning,
+            match=r"skips its first 24 samples \(24 in all\), so in this epoch some "
+            "samples train twice and as many not at all",
+        ):
             fit_one_process(str(tmp_path / "opt-out"), checkpoint, shuffle_buffer=6, restore_loader_state=False)
 
 
 def body_stream_to_an_epochs_end(root: str, checkpoint: str) -> None:
-    trainer = Trainer(strategy="ddp", devices=2, max_steps=6, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=root)
+    trainer = Trainer(
+        strategy="ddp",
+        devices=2,
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
     log_dir = os.path.join(root, f"rank{dist.get_rank()}")
     os.makedirs(log_dir)
     seed_everything(0)
@@ -282,8 +352,15 @@ def test_a_stream_checkpoint_at_an_epochs_end_resumes_on_another_number_of_ranks
     checkpoint = str(tmp_path / "at-the-end")
     rank_pool(2).run(body_stream_to_an_epochs_end, str(tmp_path / "two"), checkpoint)
     os.makedirs(tmp_path / "one" / "rank0")
-    trainer = Trainer(devices=1, max_steps=6 + ROWS // STREAM_BATCH, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path / "one"))
+    trainer = Trainer(
+        devices=1,
+        max_steps=6 + ROWS // STREAM_BATCH,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path / "one"),
+    )
     module = StreamRegression()
     trainer.fit(module, stream_loader(str(tmp_path / "one" / "rank0"), 0, 1, 0, True), ckpt_path=checkpoint)
     assert Counter(module.trained) == {row: 1 for row in range(ROWS)}
@@ -314,8 +391,14 @@ def test_a_stage_stops_the_persistent_workers_of_its_loaders_when_it_ends(tmp_pa
             self.log("val_loss", self.training_step(batch, batch_idx))
 
     loader = DataLoader(Augmented(str(tmp_path)), batch_size=BATCH, num_workers=2, persistent_workers=True)
-    trainer = Trainer(max_steps=3, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                      enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer = Trainer(
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
     if stage == "fit":
         trainer.fit(Validated(), loader, loader)
     else:
@@ -360,14 +443,22 @@ def fit_lit(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_
     from callbacks import ModelCheckpoint
 
     seed_everything(0)
-    loader = StreamingDataLoader(StreamingDataset(data, shuffle=True, seed=3, drop_last=True), batch_size=LIT_BATCH,
-                                 num_workers=workers)
-    saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_top_k=-1,
-                            filename="{step}")
+    loader = StreamingDataLoader(
+        StreamingDataset(data, shuffle=True, seed=3, drop_last=True), batch_size=LIT_BATCH, num_workers=workers
+    )
+    saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_top_k=-1, filename="{step}")
     devices = dist.get_world_size() if dist.is_initialized() else 1
-    trainer = Trainer(strategy=FSDPStrategy() if name == "fsdp" else name, devices=devices, max_steps=max_steps,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[saver],
-                      default_root_dir=root, global_batch_size=8)
+    trainer = Trainer(
+        strategy=FSDPStrategy() if name == "fsdp" else name,
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[saver],
+        default_root_dir=root,
+        global_batch_size=8,
+    )
     module = LitRegression()
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     trained = trainer.strategy.all_gather_object(module.trained)
@@ -378,13 +469,15 @@ def body_lit(root: str, data: str, name: str, workers: int, max_steps: int, ckpt
     return fit_lit(os.path.join(root, f"{dist.get_world_size()}"), data, name, workers, max_steps, ckpt_path)
 
 
-@pytest.mark.parametrize("name, workers, before, after", [
-    ("ddp", 0, 2, 2),  # the same world size: LitData's own state, exactly
-    ("fsdp", 2, 4, 2),  # with workers, 4 -> 2 ranks: LitData's elastic resume
-    ("ddp", 0, 2, 1),  # 2 -> 1 rank
-])
-def test_litdata_resumes_from_its_own_state_on_fewer_ranks(rank_pool, tmp_path, lit_data, name, workers, before,
-                                                           after):
+@pytest.mark.parametrize(
+    "name, workers, before, after",
+    [
+        ("ddp", 0, 2, 2),  # the same world size: LitData's own state, exactly
+        ("fsdp", 2, 4, 2),  # with workers, 4 -> 2 ranks: LitData's elastic resume
+        ("ddp", 0, 2, 1),  # 2 -> 1 rank
+    ],
+)
+def test_litdata_resumes_from_its_own_state_on_fewer_ranks(rank_pool, tmp_path, lit_data, name, workers, before, after):
     """The first epoch's rows: those trained before the checkpoint of step 4 and those after it, each once.
     (LitData 0.2.76 refuses more ranks than the checkpoint's when a rank's share of the epoch would be shorter
     than what each old rank had read: its own ValueError, from the loader.)"""
@@ -395,11 +488,10 @@ def test_litdata_resumes_from_its_own_state_on_fewer_ranks(rank_pool, tmp_path, 
     if after == 1:
         resumed = fit_lit(str(tmp_path / "resumed"), lit_data, name, workers, 12, checkpoint)
     else:
-        resumed = rank_pool(after).run(body_lit, str(tmp_path / "resumed"), lit_data, name, workers, 12,
-                                       checkpoint)[0]
-    trained_before = [i for rank in straight["trained"] for i in rank[:32 // before]]  # 4 steps of 8 rows
-    rest = [i for rank in resumed["trained"] for i in rank[:(LIT_ROWS - 32) // after]]
+        resumed = rank_pool(after).run(body_lit, str(tmp_path / "resumed"), lit_data, name, workers, 12, checkpoint)[0]
+    trained_before = [i for rank in straight["trained"] for i in rank[: 32 // before]]  # 4 steps of 8 rows
+    rest = [i for rank in resumed["trained"] for i in rank[: (LIT_ROWS - 32) // after]]
     assert Counter(trained_before + rest) == {i: 1 for i in range(LIT_ROWS)}, (sorted(trained_before), sorted(rest))
     if after == before:
-        assert resumed["trained"] == [rank[32 // before:] for rank in straight["trained"]]
+        assert resumed["trained"] == [rank[32 // before :] for rank in straight["trained"]]
         assert_states_close(resumed["weights"], straight["weights"], atol=0)

@@ -22,8 +22,9 @@ from trainer import checkpoint as ckpt_io
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = dict(vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-              attn_pdrop=0.0)
+CONFIG = dict(
+    vocab_size=40, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+)
 
 
 def gpt2_config():
@@ -66,9 +67,17 @@ class WeightsAtStart(Callback):
 def train(root: str, steps: int, pretrained: str | None = None, callbacks: list | None = None) -> Trainer:
     seed_everything(0)
     strategy = FSDPStrategy(auto_wrap_policy={transformers.models.gpt2.modeling_gpt2.GPT2Block})
-    trainer = Trainer(strategy=strategy, devices=2, max_steps=steps, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, deterministic=True, default_root_dir=root,
-                      callbacks=callbacks or [])
+    trainer = Trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        deterministic=True,
+        default_root_dir=root,
+        callbacks=callbacks or [],
+    )
     trainer.fit(GPT2Module(pretrained), tokens(2))
     return trainer
 
@@ -89,8 +98,19 @@ def test_export_writes_safetensors_that_from_pretrained_loads(rank_pool, tmp_pat
 
     one, sharded = tmp_path / "one", tmp_path / "sharded"
     ckpt_io.main(["export", str(tmp_path / "ckpt"), str(one), "--format", "safetensors", "--prefix", "model."])
-    ckpt_io.main(["export", str(tmp_path / "ckpt"), str(sharded), "--format", "safetensors", "--prefix", "model.",
-                  "--max-shard-size", "12000"])
+    ckpt_io.main(
+        [
+            "export",
+            str(tmp_path / "ckpt"),
+            str(sharded),
+            "--format",
+            "safetensors",
+            "--prefix",
+            "model.",
+            "--max-shard-size",
+            "12000",
+        ]
+    )
     assert sorted(os.listdir(one)) == ["model.safetensors"]
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -145,8 +165,14 @@ def test_load_safetensors_lists_every_difference(tmp_path):
     config = transformers.GPT2Config(**{**CONFIG, "n_embd": 8})
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "other")
     seed_everything(0)
-    trainer = Trainer(strategy="single", max_steps=1, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False, default_root_dir=str(tmp_path))
+    trainer = Trainer(
+        strategy="single",
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
     module = GPT2Module(str(tmp_path / "other"))
     with pytest.raises(ValueError) as error:
         trainer.fit(module, tokens(1))

@@ -25,9 +25,16 @@ BLOCK, HEADER = 32768, 7  # wandb's run file: ":W&B" + magic + version, then Lev
 
 def offline_environment(root: str, setenv=os.environ.__setitem__) -> None:
     """Everything wandb writes under `root`, nothing on the network or in the home directory."""
-    values = dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=root, WANDB_CONFIG_DIR=f"{root}/config",
-                  WANDB_CACHE_DIR=f"{root}/cache", WANDB_DATA_DIR=f"{root}/data",
-                  WANDB_ARTIFACT_DIR=f"{root}/artifacts", WANDB_DISABLE_GIT="true")
+    values = dict(
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+        WANDB_DIR=root,
+        WANDB_CONFIG_DIR=f"{root}/config",
+        WANDB_CACHE_DIR=f"{root}/cache",
+        WANDB_DATA_DIR=f"{root}/data",
+        WANDB_ARTIFACT_DIR=f"{root}/artifacts",
+        WANDB_DISABLE_GIT="true",
+    )
     for key, value in values.items():
         setenv(key, value)
 
@@ -70,8 +77,14 @@ def _add(out: dict, record) -> None:
     elif which == "exit":
         out["exit_code"] = record.exit.exit_code
     elif which == "artifact":
-        out["artifacts"].append((record.artifact.name, record.artifact.type, sorted(record.artifact.aliases),
-                                 sorted(entry.path for entry in record.artifact.manifest.contents)))
+        out["artifacts"].append(
+            (
+                record.artifact.name,
+                record.artifact.type,
+                sorted(record.artifact.aliases),
+                sorted(entry.path for entry in record.artifact.manifest.contents),
+            )
+        )
 
 
 def run_files(root: Path) -> list[Path]:
@@ -95,8 +108,16 @@ def read_finished_runs(root: Path, count: int) -> list[dict]:
 def _wandb_body(root: str) -> dict:
     offline_environment(root)
     logger = WandbLogger(project="shardtrain", name="tiny", save_dir=root, offline=True)
-    trainer = Trainer(strategy="ddp", devices=2, max_steps=4, max_epochs=1, log_every_n_steps=1, logger=logger,
-                      enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        strategy="ddp",
+        devices=2,
+        max_steps=4,
+        max_epochs=1,
+        log_every_n_steps=1,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(new_model(Logged), DataLoader(token_dataset(), batch_size=2))
     return {"version": logger.version, "log_dir": trainer.log_dir}
 
@@ -115,12 +136,14 @@ def test_metrics_at_their_steps_and_hyperparameters_from_rank_0_only(rank_pool, 
 def test_resumed_training_continues_the_same_run(tmp_path, monkeypatch):
     offline_environment(str(tmp_path), monkeypatch.setenv)
     first = WandbLogger(project="shardtrain", save_dir=str(tmp_path), offline=True, log_model=True)
-    Trainer(max_steps=2, log_every_n_steps=1, logger=first, enable_progress_bar=False,
-            enable_model_summary=False).fit(new_model(Logged), DataLoader(token_dataset(), batch_size=2))
+    Trainer(max_steps=2, log_every_n_steps=1, logger=first, enable_progress_bar=False, enable_model_summary=False).fit(
+        new_model(Logged), DataLoader(token_dataset(), batch_size=2)
+    )
     assert list((tmp_path / "shardtrain" / first.version / "checkpoints").iterdir())  # Lightning's place
     again = WandbLogger(project="shardtrain", save_dir=str(tmp_path), offline=True)  # no id given
-    trainer = Trainer(max_steps=4, log_every_n_steps=1, logger=again, enable_progress_bar=False,
-                      enable_model_summary=False)
+    trainer = Trainer(
+        max_steps=4, log_every_n_steps=1, logger=again, enable_progress_bar=False, enable_model_summary=False
+    )
     trainer.fit(new_model(Logged), DataLoader(token_dataset(), batch_size=2), ckpt_path="last")
     assert again.version == first.version  # the id came from the checkpoint
     runs = read_finished_runs(tmp_path, 2)
@@ -140,10 +163,25 @@ def test_the_command_lines_config_goes_into_the_runs_config(tmp_path, monkeypatc
 
     offline_environment(str(tmp_path), monkeypatch.setenv)
     yaml_file = Path(cli_regression.__file__).with_suffix(".yaml")
-    CLI(cli_regression.Regressor, cli_regression.RegressionData,
-        args=["fit", "--config", str(yaml_file), "--trainer.max_epochs", "1", "--trainer.logger", "WandbLogger",
-              "--trainer.logger.offline", "true", "--trainer.logger.save_dir", str(tmp_path),
-              "--trainer.logger.project", "cli"])
+    CLI(
+        cli_regression.Regressor,
+        cli_regression.RegressionData,
+        args=[
+            "fit",
+            "--config",
+            str(yaml_file),
+            "--trainer.max_epochs",
+            "1",
+            "--trainer.logger",
+            "WandbLogger",
+            "--trainer.logger.offline",
+            "true",
+            "--trainer.logger.save_dir",
+            str(tmp_path),
+            "--trainer.logger.project",
+            "cli",
+        ],
+    )
     (run,) = read_finished_runs(tmp_path, 1)
     config = run["config"]
     assert config["trainer"]["max_epochs"] == 1 and config["model"] == {"hidden": 6, "lr": 0.05}

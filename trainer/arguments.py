@@ -40,8 +40,10 @@ def check_devices(devices: Any, accelerator: str) -> tuple[int, list[int] | None
             raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} CUDA devices are available")
         return len(devices), list(devices)
     if not _is_int(devices) or devices < 1:
-        raise ValueError(f"devices={devices!r} is not valid; use a positive int (ranks per node), a list of "
-                         "device indices, -1 or 'auto'")
+        raise ValueError(
+            f"devices={devices!r} is not valid; use a positive int (ranks per node), a list of "
+            "device indices, -1 or 'auto'"
+        )
     if accelerator == "cuda" and devices > torch.cuda.device_count():
         raise ValueError(f"devices={devices} but only {torch.cuda.device_count()} CUDA devices are available")
     return devices, None
@@ -100,9 +102,7 @@ def check_timeout(timeout: Any) -> datetime.timedelta:
         return timeout
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0:
         return datetime.timedelta(seconds=timeout)
-    raise ValueError(
-        f"timeout={timeout!r} is not valid; use seconds (a positive number) or a datetime.timedelta"
-    )
+    raise ValueError(f"timeout={timeout!r} is not valid; use seconds (a positive number) or a datetime.timedelta")
 
 
 def check_clip(value: Any) -> None:
@@ -118,8 +118,9 @@ def check_profiler(profiler: Any) -> Any:
         return profiler
     if isinstance(profiler, str):
         if profiler not in PROFILERS:
-            raise ValueError(f"profiler={profiler!r} is not valid; choose one of {list(PROFILERS)} or a "
-                             "trainer.profilers.Profiler")
+            raise ValueError(
+                f"profiler={profiler!r} is not valid; choose one of {list(PROFILERS)} or a trainer.profilers.Profiler"
+            )
         return PROFILERS[profiler]()
     raise TypeError(f"profiler={profiler!r} must be None, a name ({list(PROFILERS)}) or a trainer.profilers.Profiler")
 
@@ -143,6 +144,8 @@ def check_max_time(value: Any) -> datetime.timedelta | None:
     elif value is None:
         return None
     if duration is None or duration <= datetime.timedelta(0):
-        raise ValueError(f"max_time={value!r} is not valid; use a string 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a "
-                         "positive datetime.timedelta, or a dict of its arguments (e.g. {'hours': 12})")
+        raise ValueError(
+            f"max_time={value!r} is not valid; use a string 'DD:HH:MM:SS' (e.g. '00:12:00:00'), a "
+            "positive datetime.timedelta, or a dict of its arguments (e.g. {'hours': 12})"
+        )
     return duration

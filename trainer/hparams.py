@@ -68,8 +68,9 @@ def init_arguments(frame: FrameType, owner: object) -> dict[str, Any]:
     return collected
 
 
-def collect(frame: FrameType, owner: object, args: tuple, ignore: Iterable[str] | str | None,
-            given: dict[str, Any]) -> dict[str, Any]:
+def collect(
+    frame: FrameType, owner: object, args: tuple, ignore: Iterable[str] | str | None, given: dict[str, Any]
+) -> dict[str, Any]:
     """What `save_hyperparameters(*args, ignore=..., **given)` records, called from `frame`."""
     ignore = {ignore} if isinstance(ignore, str) else set(ignore or ())
     found = init_arguments(frame, owner)
@@ -78,14 +79,18 @@ def collect(frame: FrameType, owner: object, args: tuple, ignore: Iterable[str] 
     elif all(isinstance(a, str) for a in args):
         missing = [name for name in args if name not in found]
         if missing:
-            raise ValueError(f"save_hyperparameters: {missing} are not arguments of {type(owner).__name__}.__init__; "
-                             f"its arguments are {sorted(found)}")
+            raise ValueError(
+                f"save_hyperparameters: {missing} are not arguments of {type(owner).__name__}.__init__; "
+                f"its arguments are {sorted(found)}"
+            )
         chosen = {name: found[name] for name in args}
     elif len(args) == 1 and isinstance(args[0], dict):
         chosen = dict(args[0])
     elif len(args) == 1 and hasattr(args[0], "__dict__"):  # an argparse.Namespace or similar
         chosen = dict(vars(args[0]))
     else:
-        raise TypeError("save_hyperparameters: give argument names, one dict or Namespace, keywords, or nothing "
-                        f"(then every __init__ argument); got {args!r}")
+        raise TypeError(
+            "save_hyperparameters: give argument names, one dict or Namespace, keywords, or nothing "
+            f"(then every __init__ argument); got {args!r}"
+        )
     return {k: v for k, v in {**chosen, **given}.items() if k not in ignore}

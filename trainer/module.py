@@ -57,9 +57,7 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
             RuntimeError: if the module was not given to a Trainer's `fit` (or `validate`, `test`, `predict`).
         """
         if self._trainer is None:
-            raise RuntimeError(
-                f"{type(self).__name__} is not attached to a Trainer; call trainer.fit(module) first"
-            )
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; call trainer.fit(module) first")
         return self._trainer
 
     @property
@@ -88,8 +86,9 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         return self.trainer.local_rank if self._trainer else 0
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: str | os.PathLike, strict: bool = True, trust_pickled: bool = False,
-                             **overrides: Any) -> Any:
+    def load_from_checkpoint(
+        cls, checkpoint_path: str | os.PathLike, strict: bool = True, trust_pickled: bool = False, **overrides: Any
+    ) -> Any:
         """Rebuild the module from a checkpoint, in this process, with no process group.
 
         The module is constructed with the hyperparameters the checkpoint recorded (see `save_hyperparameters`),
@@ -169,8 +168,16 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
             RuntimeError: if the module is not attached to a Trainer.
         """
         self.trainer.metrics.log(
-            name, value, prog_bar=prog_bar, on_step=on_step, on_epoch=on_epoch, sync_dist=sync_dist,
-            batch_size=batch_size, reduce_fx=reduce_fx, logger=logger, rank_zero_only=rank_zero_only,
+            name,
+            value,
+            prog_bar=prog_bar,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            sync_dist=sync_dist,
+            batch_size=batch_size,
+            reduce_fx=reduce_fx,
+            logger=logger,
+            rank_zero_only=rank_zero_only,
         )
 
     def log_dict(self, metrics: Any, **kwargs: Any) -> None:
@@ -214,8 +221,12 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         """
         self.trainer.backward(loss)
 
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                       gradient_clip_algorithm: str | None = None) -> None:
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         """Clip the gradients of `optimizer`'s parameters (across ranks and shards); for manual optimization.
 
         Args:
@@ -331,16 +342,22 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
     # ---- hooks, where Lightning calls them ---------------------------------------------------------
     def on_fit_start(self) -> None:
         """Called at the start of `fit`, after the strategy is set up, on every rank."""
+
     def on_fit_end(self) -> None:
         """Called at the end of `fit`."""
+
     def on_train_start(self) -> None:
         """Called when training starts, after the sanity check."""
+
     def on_train_end(self) -> None:
         """Called when training ends."""
+
     def on_train_epoch_start(self) -> None:
         """Called at the start of each training epoch."""
+
     def on_train_epoch_end(self) -> None:
         """Called at the end of each training epoch; values logged here are per epoch."""
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Called before `training_step`.
 
@@ -348,6 +365,7 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
             batch: the batch `training_step` gets.
             batch_idx: its index in the epoch.
         """
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Called after each training batch (micro-batch, under gradient accumulation).
 
@@ -356,46 +374,61 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
             batch: the batch.
             batch_idx: its index in the epoch.
         """
+
     def on_before_backward(self, loss: torch.Tensor) -> None:
         """Called before the backward pass.
 
         Args:
             loss: the loss, already scaled by the precision if it scales (`"16-mixed"`).
         """
+
     def on_after_backward(self) -> None:
         """Called after the backward pass; `.grad` is set for every parameter that got a gradient."""
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Called before `optimizer.step()`, before gradient clipping (as Lightning).
 
         Args:
             optimizer: the optimizer about to step.
         """
+
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """Called before `optimizer.zero_grad()`.
 
         Args:
             optimizer: the optimizer whose gradients are about to be zeroed.
         """
+
     def on_validation_start(self) -> None:
         """Called when a validation run starts."""
+
     def on_validation_end(self) -> None:
         """Called when a validation run ends."""
+
     def on_validation_epoch_start(self) -> None:
         """Called at the start of a validation epoch."""
+
     def on_validation_epoch_end(self) -> None:
         """Called at the end of a validation epoch; values logged here are per epoch."""
+
     def on_test_start(self) -> None:
         """Called when testing starts."""
+
     def on_test_end(self) -> None:
         """Called when testing ends."""
+
     def on_test_epoch_start(self) -> None:
         """Called at the start of the test epoch."""
+
     def on_test_epoch_end(self) -> None:
         """Called at the end of the test epoch; values logged here are per epoch."""
+
     def on_predict_start(self) -> None:
         """Called when prediction starts."""
+
     def on_predict_end(self) -> None:
         """Called when prediction ends."""
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Called on rank 0 when a checkpoint is saved: add entries to `checkpoint` to save them with it.
 
@@ -405,6 +438,7 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         Args:
             checkpoint: the dict of additions, to fill in.
         """
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Called when a checkpoint is loaded, with the dict that `on_save_checkpoint` filled in.
 

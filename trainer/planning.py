@@ -21,8 +21,10 @@ def check_memory_budget(strategy: Any, max_memory_per_rank: Any) -> int | None:
     budget = parse_bytes(max_memory_per_rank, "max_memory_per_rank")
     if strategy != "auto":
         name = strategy.name if isinstance(strategy, Strategy) else strategy
-        raise ValueError(f"max_memory_per_rank={max_memory_per_rank!r} is for strategy='auto' (which picks a "
-                         f"strategy that fits it); with strategy={name!r} leave it out")
+        raise ValueError(
+            f"max_memory_per_rank={max_memory_per_rank!r} is for strategy='auto' (which picks a "
+            f"strategy that fits it); with strategy={name!r} leave it out"
+        )
     return budget
 
 
@@ -34,9 +36,16 @@ def _sample(loader: Any) -> Any:
         return None
 
 
-def make_plan(trainer: Trainer, module: Any, batch_size: int | None = None, seq_len: int | None = None,
-              train_dataloaders: Any = None, device_memory: int | None = None, forecast: bool = True,
-              hardware: Any = None) -> MemoryPlan:
+def make_plan(
+    trainer: Trainer,
+    module: Any,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    train_dataloaders: Any = None,
+    device_memory: int | None = None,
+    forecast: bool = True,
+    hardware: Any = None,
+) -> MemoryPlan:
     """The plan at the Trainer's world size and precision, with the options its strategy gives the plan. The batch
     is the module's example_input, else shaped like the train DataLoader's samples. `forecast` adds each
     strategy's step time on `hardware` (default: this machine's GPU kind, else cpu)."""
@@ -46,9 +55,19 @@ def make_plan(trainer: Trainer, module: Any, batch_size: int | None = None, seq_
         sample = _sample(loader) if loader is not None else None
     batch_size = batch_size or getattr(loader, "batch_size", None) or 1
     options = trainer.strategy.plan_options()
-    return plan_memory(module, world_size=trainer.world_size, nodes=trainer.num_nodes, batch_size=batch_size,
-                       seq_len=seq_len, precision=trainer.precision.precision, device_memory=device_memory,
-                       sample=sample, forecast=forecast, hardware=hardware, **options)
+    return plan_memory(
+        module,
+        world_size=trainer.world_size,
+        nodes=trainer.num_nodes,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=trainer.precision.precision,
+        device_memory=device_memory,
+        sample=sample,
+        forecast=forecast,
+        hardware=hardware,
+        **options,
+    )
 
 
 def local_device_memory(trainer: Trainer) -> int:

@@ -52,8 +52,9 @@ def setup_stage(trainer: Trainer, module: Any, stage: str, datamodule: DataModul
     return module
 
 
-def stage_loader(trainer: Trainer, given: Any, default: Any, argument: str, required: bool = False,
-                 evaluation: bool = False) -> Any:
+def stage_loader(
+    trainer: Trainer, given: Any, default: Any, argument: str, required: bool = False, evaluation: bool = False
+) -> Any:
     """The loader given to the stage's `argument`, else the hook `default()`'s, split across the ranks (unless
     `use_distributed_sampler=False`)."""
     loader = given if given is not None else default()

@@ -13,9 +13,7 @@ class TrainerState:
     stage: str = "fit"
     epoch: int = 0
     global_step: int = 0
-    batches_done_in_epoch: int = (
-        0  # micro-batches of the current epoch already trained (for mid-epoch resume)
-    )
+    batches_done_in_epoch: int = 0  # micro-batches of the current epoch already trained (for mid-epoch resume)
     epoch_complete: bool = False  # every batch of the current epoch is trained; its end (hooks, schedulers) is not
     time_elapsed: float = 0.0  # seconds of training so far, over resumes too (max_time counts them); checkpoints
     # keep it beside the rest of this state, which is the same for runs that trained alike

@@ -194,12 +194,15 @@ class Trainer:
         arguments.check_positive_int("accumulate_grad_batches", accumulate_grad_batches)
         arguments.check_positive_int("global_batch_size", global_batch_size, allow_none=True)
         if global_batch_size is not None and accumulate_grad_batches != 1:
-            raise ValueError(f"global_batch_size={global_batch_size} and accumulate_grad_batches="
-                             f"{accumulate_grad_batches}: the accumulation is derived from global_batch_size; give "
-                             "one of them")
+            raise ValueError(
+                f"global_batch_size={global_batch_size} and accumulate_grad_batches="
+                f"{accumulate_grad_batches}: the accumulation is derived from global_batch_size; give "
+                "one of them"
+            )
         arguments.check_clip(gradient_clip_val)
-        self.gradient_clip_algorithm = arguments.check_choice("gradient_clip_algorithm", gradient_clip_algorithm,
-                                                           arguments.CLIP_ALGORITHMS)
+        self.gradient_clip_algorithm = arguments.check_choice(
+            "gradient_clip_algorithm", gradient_clip_algorithm, arguments.CLIP_ALGORITHMS
+        )
         self.num_sanity_val_steps = arguments.check_sanity_steps(num_sanity_val_steps)
         self.use_distributed_sampler = arguments.check_bool("use_distributed_sampler", use_distributed_sampler)
         enable_model_summary = arguments.check_bool("enable_model_summary", enable_model_summary)
@@ -227,8 +230,10 @@ class Trainer:
         if sync_batchnorm and self.accelerator != "cuda":
             raise ValueError("sync_batchnorm=True needs accelerator='cuda': torch's SyncBatchNorm runs on GPUs only")
         if not isinstance(compile, bool):
-            raise TypeError(f"compile={compile!r} must be a bool; choose the modules with the strategy's own "
-                            "compile= (e.g. FSDPStrategy(compile={Block}))")
+            raise TypeError(
+                f"compile={compile!r} must be a bool; choose the modules with the strategy's own "
+                "compile= (e.g. FSDPStrategy(compile={Block}))"
+            )
         self.compile = compile
         self.max_memory_per_rank = planning.check_memory_budget(strategy, max_memory_per_rank)
         self.strategy = construction.resolve_strategy(strategy, devices * num_nodes)
@@ -246,8 +251,9 @@ class Trainer:
         self.log_every_n_steps, self.check_val_every_n_epoch = log_every_n_steps, check_val_every_n_epoch
         self.default_root_dir = os.fspath(default_root_dir)
         self.sync_batchnorm, self.deterministic = sync_batchnorm, deterministic
-        self.callbacks = construction.build_callbacks(callbacks, enable_progress_bar, enable_checkpointing,
-                                                      enable_model_summary)
+        self.callbacks = construction.build_callbacks(
+            callbacks, enable_progress_bar, enable_checkpointing, enable_model_summary
+        )
         """The callbacks: those given, and those the Trainer added (progress bar, model summary, checkpointing)."""
         self.loggers = construction.build_loggers(logger, self.default_root_dir)
         """The loggers (`logger` is the first of them)."""
@@ -257,8 +263,10 @@ class Trainer:
         if deterministic:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
-        self.metrics = MetricCollector(reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op),
-                                       gather=lambda obj: self.strategy.all_gather_object(obj))
+        self.metrics = MetricCollector(
+            reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op),
+            gather=lambda obj: self.strategy.all_gather_object(obj),
+        )
         self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation/steps.py)
         self.skipped_validation: str | None = None  # why fit does not validate, when a loader was given
         self.signal_watch = SignalWatch()  # SIGTERM during fit: preemption (launch/preemption.py)
@@ -373,15 +381,16 @@ class Trainer:
         self._choose_strategy(module, train_dataloaders)
         setup_stage(self, module, "fit", datamodule)
         source = datamodule or module
-        train = lambda: stage_loader(self, train_dataloaders, source.train_dataloader, "train_dataloaders",  # noqa: E731
-                                     required=True)
-        val = lambda: stage_loader(self, val_dataloaders, source.val_dataloader, "val_dataloaders",  # noqa: E731
-                                   evaluation=True)
+
+        def train() -> Any:
+            return stage_loader(self, train_dataloaders, source.train_dataloader, "train_dataloaders", required=True)
+
+        def val() -> Any:
+            return stage_loader(self, val_dataloaders, source.val_dataloader, "val_dataloaders", evaluation=True)
+
         # asked for when Lightning asks (data/fit_data.py)
         self._fit_loaders = FitLoaders(self, train, lambda: unless_undefined(self, module, val()))
-        self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(
-            module, self.strategy
-        )
+        self.optimizers, self.lr_scheduler_configs, self.param_group_names = configure_optimizers(module, self.strategy)
         if not module.automatic_optimization:
             manual_optimization(self)
         if ckpt_path is not None:
@@ -394,8 +403,13 @@ class Trainer:
                 self._fit_loaders.stop_workers()
 
     def validate(
-        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-        datamodule: DataModule | None = None, *, trust_pickled: bool = False,
+        self,
+        module: TrainModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+        datamodule: DataModule | None = None,
+        *,
+        trust_pickled: bool = False,
     ) -> list[dict[str, float]]:
         """Run one validation epoch (`validation_step` on every batch) and return the metrics logged.
 
@@ -422,8 +436,13 @@ class Trainer:
         return self._evaluate("validate", module, dataloaders, ckpt_path, datamodule, trust_pickled)
 
     def test(
-        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-        datamodule: DataModule | None = None, *, trust_pickled: bool = False,
+        self,
+        module: TrainModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+        datamodule: DataModule | None = None,
+        *,
+        trust_pickled: bool = False,
     ) -> list[dict[str, float]]:
         """Run one test epoch (`test_step` on every batch) and return the metrics logged.
 
@@ -450,8 +469,13 @@ class Trainer:
         return self._evaluate("test", module, dataloaders, ckpt_path, datamodule, trust_pickled)
 
     def predict(
-        self, module: TrainModule | None = None, dataloaders: Any = None, ckpt_path: str | None = None,
-        datamodule: DataModule | None = None, *, trust_pickled: bool = False,
+        self,
+        module: TrainModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | None = None,
+        datamodule: DataModule | None = None,
+        *,
+        trust_pickled: bool = False,
     ) -> list[Any] | None:
         """Run `predict_step` on every batch and gather the predictions.
 
@@ -477,8 +501,9 @@ class Trainer:
         """
         return self._evaluate("predict", module, dataloaders, ckpt_path, datamodule, trust_pickled)
 
-    def _evaluate(self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any, datamodule: Any,
-                  trust_pickled: bool) -> Any:
+    def _evaluate(
+        self, stage: str, module: Any, dataloaders: Any, ckpt_path: Any, datamodule: Any, trust_pickled: bool
+    ) -> Any:
         (dataloaders, ckpt_path), datamodule = datamodule_in(dataloaders, ckpt_path, datamodule=datamodule)
         self._choose_strategy(module or self.module, None)
         module = setup_stage(self, module or self.module, stage, datamodule)
@@ -497,8 +522,12 @@ class Trainer:
 
     # ---- memory plan --------------------------------------------------------------------------------
     def plan(
-        self, module: TrainModule, batch_size: int | None = None, seq_len: int | None = None,
-        train_dataloaders: Any = None, hardware: Any = None,
+        self,
+        module: TrainModule,
+        batch_size: int | None = None,
+        seq_len: int | None = None,
+        train_dataloaders: Any = None,
+        hardware: Any = None,
     ) -> planning.MemoryPlan:
         """Estimate the memory per rank of `module` under ddp, zero1, zero2 and fsdp, and each one's step time.
 
@@ -552,8 +581,12 @@ class Trainer:
             scaled.backward()
             self._call("on_after_backward")
 
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                       gradient_clip_algorithm: str | None = None) -> None:
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         """Clip the gradients of `optimizer`'s parameters (over all ranks' shards).
 
         Args:
@@ -566,8 +599,11 @@ class Trainer:
             ValueError: for a non-positive `gradient_clip_val` or an unknown `gradient_clip_algorithm`.
         """
         value = gradient_clip_val if gradient_clip_val is not None else self.gradient_clip_val
-        algorithm = arguments.check_choice("gradient_clip_algorithm", gradient_clip_algorithm or
-                                        self.gradient_clip_algorithm, arguments.CLIP_ALGORITHMS)
+        algorithm = arguments.check_choice(
+            "gradient_clip_algorithm",
+            gradient_clip_algorithm or self.gradient_clip_algorithm,
+            arguments.CLIP_ALGORITHMS,
+        )
         if value is not None:
             arguments.check_clip(value)
             params = self.strategy.optimizer_parameters(optimizer)
@@ -604,8 +640,10 @@ class Trainer:
                 its folder cannot be made.
         """
         if full and async_save:
-            raise ValueError("save_checkpoint: async_save=True writes a checkpoint directory in the background, "
-                             "full=True one file synchronously; choose one of them")
+            raise ValueError(
+                "save_checkpoint: async_save=True writes a checkpoint directory in the background, "
+                "full=True one file synchronously; choose one of them"
+            )
         if not full:
             self.checkpointer.save(self, path, async_save=async_save)
             return
@@ -638,4 +676,3 @@ class Trainer:
         per_epoch = math.ceil(self.num_training_batches / self.accumulate_grad_batches)
         by_epochs = per_epoch * self.max_epochs if self.max_epochs > 0 else float("inf")
         return int(min(by_epochs, self.max_steps if self.max_steps > 0 else float("inf")))
-

@@ -32,8 +32,10 @@ def refuse(unsupported: dict[str, Any], accepted: list[str]) -> None:
         return
     name = next(iter(unsupported))
     if name in CLOSEST:
-        raise TypeError(f"Trainer({name}=...) is a Lightning argument this Trainer does not support; the closest "
-                        f"thing here: {CLOSEST[name]}")
+        raise TypeError(
+            f"Trainer({name}=...) is a Lightning argument this Trainer does not support; the closest "
+            f"thing here: {CLOSEST[name]}"
+        )
     close = difflib.get_close_matches(name, accepted, n=1)
     hint = f"; did you mean {close[0]}?" if close else f"; the arguments are {sorted(accepted)}"
     raise TypeError(f"Trainer got an unknown argument {name!r}{hint}")

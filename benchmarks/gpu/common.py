@@ -102,8 +102,7 @@ def start(settings: Settings, deterministic: bool = True) -> None:
     if not dist.is_initialized():
         backend = "nccl" if settings.device == "cuda" else "gloo"
         kwargs = {"device_id": settings.torch_device} if settings.device == "cuda" else {}
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                **kwargs)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs)
 
 
 def finish() -> None:
@@ -177,15 +176,26 @@ def loader(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> DataLoader:
 
 
 def fit(settings: Settings, module: LM, strategy: Any, batches: list, precision: str = "32", **kwargs: Any) -> Trainer:
-    trainer = Trainer(strategy=strategy, accelerator=settings.device, devices=1, max_steps=len(batches),
-                      max_epochs=1, precision=precision, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator=settings.device,
+        devices=1,
+        max_steps=len(batches),
+        max_epochs=1,
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
     trainer.fit(module, loader(batches))
     return trainer
 
 
-def plain_run(settings: Settings, config: GPTConfig, batches: list, optimizer: str = "sgd",
-              precision: str = "32") -> tuple[dict[str, torch.Tensor], list[float]]:
+def plain_run(
+    settings: Settings, config: GPTConfig, batches: list, optimizer: str = "sgd", precision: str = "32"
+) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain torch on the same device: the weights after the batches, and each step's loss."""
     device = settings.torch_device
     model = new_gpt(config).to(device)

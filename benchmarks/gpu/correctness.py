@@ -49,8 +49,14 @@ def _batch_size(settings: Settings) -> int:
     return 2 if settings.tiny else 8
 
 
-def _fp32_parity(settings: Settings, label: str, strategy: Any, optimizer: str = "sgd", steps: int = STEPS,
-                 tolerance: float = FP32_TOLERANCE) -> Trainer:
+def _fp32_parity(
+    settings: Settings,
+    label: str,
+    strategy: Any,
+    optimizer: str = "sgd",
+    steps: int = STEPS,
+    tolerance: float = FP32_TOLERANCE,
+) -> Trainer:
     config = small_config(settings)
     batches = token_batches(config, steps, _batch_size(settings))
     want, _ = plain_run(settings, config, batches, optimizer)
@@ -79,8 +85,11 @@ def _trainer_strategy(settings: Settings, name: str) -> None:
         masters = {u.master.device.type for u in trainer.strategy.engine.units}
         state = {v.device.type for s in trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0}
         want = {settings.torch_device.type}
-        check("parameters on the device after fit", devices == masters == state == want,
-              f"parameters {devices}, master shards {masters}, optimizer state {state}")
+        check(
+            "parameters on the device after fit",
+            devices == masters == state == want,
+            f"parameters {devices}, master shards {masters}, optimizer state {state}",
+        )
 
 
 def _plain_loop(settings: Settings, name: str) -> None:
@@ -96,8 +105,11 @@ def _plain_loop(settings: Settings, name: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
     difference = max_relative_difference(strategy.full_state_dict(), want)
-    check(f"plain loop {name} fp32", difference <= FP32_TOLERANCE,
-          f"max relative difference {difference:.1e} (limit {FP32_TOLERANCE:.0e})")
+    check(
+        f"plain loop {name} fp32",
+        difference <= FP32_TOLERANCE,
+        f"max relative difference {difference:.1e} (limit {FP32_TOLERANCE:.0e})",
+    )
 
 
 def part_precision(settings: Settings) -> None:
@@ -107,8 +119,15 @@ def part_precision(settings: Settings) -> None:
         for name in ("ddp", "fsdp"):
             guarded(f"{precision} {name}", _precision_curve, settings, precision, name, {})
     mixed = {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-    guarded("fsdp MixedPrecision(bf16)", _precision_curve, settings, "bf16-mixed", "fsdp", mixed,
-            "fsdp MixedPrecision(bf16)")
+    guarded(
+        "fsdp MixedPrecision(bf16)",
+        _precision_curve,
+        settings,
+        "bf16-mixed",
+        "fsdp",
+        mixed,
+        "fsdp MixedPrecision(bf16)",
+    )
 
 
 def _precision_curve(settings: Settings, precision: str, name: str, options: dict, label: str | None = None) -> None:
@@ -122,8 +141,11 @@ def _precision_curve(settings: Settings, precision: str, name: str, options: dic
     fit(settings, module, strategy, batches, precision=trainer_precision)
     got = [loss.item() for loss in module.losses]
     difference = curve_difference(got, want)
-    check(label or f"{precision} {name}", difference <= CURVE_TOLERANCE,
-          f"loss curve within {difference:.2%} (limit 2%); last loss {got[-1]:.4f} vs torch {want[-1]:.4f}")
+    check(
+        label or f"{precision} {name}",
+        difference <= CURVE_TOLERANCE,
+        f"loss curve within {difference:.2%} (limit 2%); last loss {got[-1]:.4f} vs torch {want[-1]:.4f}",
+    )
 
 
 def part_offload(settings: Settings) -> None:
@@ -142,12 +164,16 @@ def _offload(settings: Settings) -> None:
     state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
     on_host = bool(grads) and all(t.device.type == "cpu" for t in masters + grads + state)
     cuda = settings.device == "cuda"
-    pinned = {kind: all(t.is_pinned() for t in tensors) if cuda else None
-              for kind, tensors in (("parameters", masters), ("gradients", grads), ("optimizer state", state))}
+    pinned = {
+        kind: all(t.is_pinned() for t in tensors) if cuda else None
+        for kind, tensors in (("parameters", masters), ("gradients", grads), ("optimizer state", state))
+    }
     # Optimizer state never crosses to the GPU (the step runs on the host), so it needs no pinning.
-    check("cpu_offload state in pinned host memory",
-          on_host and (not cuda or (pinned["parameters"] and pinned["gradients"])),
-          f"on host: {on_host} ({len(grads)} gradient shards); pinned: {pinned}")
+    check(
+        "cpu_offload state in pinned host memory",
+        on_host and (not cuda or (pinned["parameters"] and pinned["gradients"])),
+        f"on host: {on_host} ({len(grads)} gradient shards); pinned: {pinned}",
+    )
     if cuda:
         _offload_memory(settings)
 
@@ -192,19 +218,32 @@ def _offload_memory(settings: Settings) -> None:
     in_flight = 6
     bound = in_flight * largest + activations
     mib = 2**20
-    check("cpu_offload max_memory_allocated", offloaded <= bound and offloaded < resident,
-          f"offloaded {offloaded / mib:.1f} MiB, not offloaded {resident / mib:.1f} MiB (above what was allocated "
-          f"before); bound {bound / mib:.1f} MiB = {in_flight} x largest unit {largest / mib:.1f} + activations "
-          f"{activations / mib:.1f}")
+    check(
+        "cpu_offload max_memory_allocated",
+        offloaded <= bound and offloaded < resident,
+        f"offloaded {offloaded / mib:.1f} MiB, not offloaded {resident / mib:.1f} MiB (above what was allocated "
+        f"before); bound {bound / mib:.1f} MiB = {in_flight} x largest unit {largest / mib:.1f} + activations "
+        f"{activations / mib:.1f}",
+    )
 
 
 def part_activations(settings: Settings) -> None:
     from examples.gpt import Block
 
-    guarded("activation_checkpointing fp32", _fp32_parity, settings, "activation_checkpointing fp32",
-            _strategy("fsdp", activation_checkpointing={Block}))
-    guarded("activation_offload fp32", _fp32_parity, settings, "activation_offload fp32",
-            _strategy("fsdp", activation_offload=True))
+    guarded(
+        "activation_checkpointing fp32",
+        _fp32_parity,
+        settings,
+        "activation_checkpointing fp32",
+        _strategy("fsdp", activation_checkpointing={Block}),
+    )
+    guarded(
+        "activation_offload fp32",
+        _fp32_parity,
+        settings,
+        "activation_offload fp32",
+        _strategy("fsdp", activation_offload=True),
+    )
 
 
 def part_compile(settings: Settings) -> None:
@@ -225,9 +264,12 @@ def _compile(settings: Settings) -> None:
     to_compiled = max_relative_difference(got, compiled_blocks)
     to_eager = max_relative_difference(got, eager)
     limit = 1e-4
-    check("fsdp compile={Block}", to_compiled <= limit,
-          f"max relative difference {to_compiled:.1e} to compiled plain torch (limit {limit:.0e}), "
-          f"{to_eager:.1e} to eager")
+    check(
+        "fsdp compile={Block}",
+        to_compiled <= limit,
+        f"max relative difference {to_compiled:.1e} to compiled plain torch (limit {limit:.0e}), "
+        f"{to_eager:.1e} to eager",
+    )
 
 
 def _compiled_plain(settings: Settings, config: Any, batches: list) -> dict[str, torch.Tensor]:
@@ -271,18 +313,28 @@ def _checkpoint(settings: Settings) -> None:
         for kind in ("sync", "async"):
             path = os.path.join(folder, kind)
             on_disk = load_full_state_dict(path)
-            resumed = Trainer(strategy=_strategy("fsdp"), accelerator=settings.device, devices=1,
-                              max_steps=STEPS + 2, max_epochs=2, logger=False, enable_checkpointing=False,
-                              enable_progress_bar=False, enable_model_summary=False)
+            resumed = Trainer(
+                strategy=_strategy("fsdp"),
+                accelerator=settings.device,
+                devices=1,
+                max_steps=STEPS + 2,
+                max_epochs=2,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
             module = LM(config, "adamw")
             resumed.fit(module, _loader_of(batches), ckpt_path=path)
             state = module.trainer.strategy.engine.optimizers[0].state
             devices = {v.device.type for s in state.values() for v in s.values() if v.dim() > 0}
             difference = max_relative_difference(on_disk, want)
-            check(f"{kind} save of a GPU run", difference == 0.0 and resumed.global_step == STEPS + 2
-                  and devices == {settings.torch_device.type},
-                  f"weights on disk differ by {difference:.1e}; resumed to step {resumed.global_step}; "
-                  f"optimizer state loaded onto {devices}")
+            check(
+                f"{kind} save of a GPU run",
+                difference == 0.0 and resumed.global_step == STEPS + 2 and devices == {settings.torch_device.type},
+                f"weights on disk differ by {difference:.1e}; resumed to step {resumed.global_step}; "
+                f"optimizer state loaded onto {devices}",
+            )
 
 
 def _loader_of(batches: list) -> Any:
@@ -313,8 +365,11 @@ def _safetensors(settings: Settings) -> None:
         module = Loads(config, on_meta=True)
         fit(settings, module, _strategy("fsdp"), batches)
     difference = max_relative_difference({k: seen[k] for k in weights}, weights)
-    check("load_safetensors into a meta-built model", difference == 0.0,
-          f"weights after loading differ by {difference:.1e} from the files")
+    check(
+        "load_safetensors into a meta-built model",
+        difference == 0.0,
+        f"weights after loading differ by {difference:.1e} from the files",
+    )
 
 
 def part_auto(settings: Settings) -> None:
@@ -332,5 +387,8 @@ def _auto(settings: Settings) -> None:
         trainer = fit(settings, LM(config), "auto", batches)
     said = next((line for line in printed.getvalue().splitlines() if line.startswith("strategy='auto'")), "")
     from_free_memory = "free on the fullest GPU" in said if settings.device == "cuda" else True
-    check("strategy='auto' from free GPU memory", trainer.strategy.name == "single" and from_free_memory,
-          f"chose {trainer.strategy.name!r}; said: {said or 'nothing'}")
+    check(
+        "strategy='auto' from free GPU memory",
+        trainer.strategy.name == "single" and from_free_memory,
+        f"chose {trainer.strategy.name!r}; said: {said or 'nothing'}",
+    )

@@ -124,14 +124,22 @@ def timed_steps(step: Step, count: int, settings: Settings, host: list[float] | 
     return [start.elapsed_time(end) / 1000 for start, end in events]
 
 
-def run_interleaved(variants: list[str], config: GPTConfig, batch: tuple, settings: Settings, rounds: int,
-                    steps: int, warmup: int, profiled: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
+def run_interleaved(
+    variants: list[str],
+    config: GPTConfig,
+    batch: tuple,
+    settings: Settings,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    profiled: tuple[str, ...] = (),
+) -> dict[str, dict[str, Any]]:
     """Each round runs every variant's `steps` (rotating which goes first). Variants are built in round one;
     a variant's memory is its peak over that first run less what was allocated before it was built."""
     built: dict[str, Step] = {}
     results: dict[str, dict[str, Any]] = {name: {"times": [], "host": []} for name in variants}
     for r in range(rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for name in order:
             with collectives_of(name):
                 if name not in built:
@@ -192,8 +200,11 @@ def profile_steps(name: str, step: Step, settings: Settings, steps: int = 3) -> 
     report("note", text=f"profile {name} per step: host waits {waits or 'none'}; host self time: {top}")
     if name.startswith("fsdp"):  # every parameter is used, so the used flags are known on the host (gradients.py)
         stalls = sum(waits.values())
-        check("fsdp, many-GPU path: the host never waits for the GPU inside a step", stalls == 0,
-              f"{stalls:g} synchronizations or blocking copies per step")
+        check(
+            "fsdp, many-GPU path: the host never waits for the GPU inside a step",
+            stalls == 0,
+            f"{stalls:g} synchronizations or blocking copies per step",
+        )
     if settings.out_dir:
         prof.export_chrome_trace(os.path.join(settings.out_dir, f"speed_{name.replace('@', '_')}.json"))
 
@@ -231,10 +242,19 @@ def part_speed(settings: Settings) -> None:
         for name in variants:
             median = statistics.median(results[name]["times"])
             mfu = flops_per_step(config, params, tokens) / median / peak if peak else None
-            report("speed", table="gpt2", variant=name, step_ms=median * 1e3, tokens_per_s=tokens / median,
-                   mfu=mfu, memory_mib=results[name]["memory"] / 2**20, steps=len(results[name]["times"]),
-                   host_ms=statistics.median(results[name]["host"]) * 1e3, batch=batch_size,
-                   fastest_ms=min(results[name]["times"]) * 1e3)
+            report(
+                "speed",
+                table="gpt2",
+                variant=name,
+                step_ms=median * 1e3,
+                tokens_per_s=tokens / median,
+                mfu=mfu,
+                memory_mib=results[name]["memory"] / 2**20,
+                steps=len(results[name]["times"]),
+                host_ms=statistics.median(results[name]["host"]) * 1e3,
+                batch=batch_size,
+                fastest_ms=min(results[name]["times"]) * 1e3,
+            )
     _report_compilation()
 
 
@@ -259,8 +279,14 @@ def part_overhead(settings: Settings) -> None:
     plain = statistics.median(results["torch"]["times"])
     for name in variants:
         median = statistics.median(results[name]["times"])
-        report("speed", table="overhead", variant=name, step_ms=median * 1e3, units=layers + 1,
-               us_per_unit=(median - plain) / (layers + 1) * 1e6)
+        report(
+            "speed",
+            table="overhead",
+            variant=name,
+            step_ms=median * 1e3,
+            units=layers + 1,
+            us_per_unit=(median - plain) / (layers + 1) * 1e6,
+        )
 
 
 def part_forecast(settings: Settings) -> None:
@@ -279,12 +305,24 @@ def part_forecast(settings: Settings) -> None:
         config, batch_size = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8
     with torch.device("meta"):
         model = GPT(config)
-    args = SimpleNamespace(world_size=1, nodes=1, batch_size=batch_size, seq_len=config.block_size,
-                           precision="bf16-mixed", save_hardware=None)
+    args = SimpleNamespace(
+        world_size=1,
+        nodes=1,
+        batch_size=batch_size,
+        seq_len=config.block_size,
+        precision="bf16-mixed",
+        save_hardware=None,
+    )
     shipped = default_hardware()
     measured = measure_hardware(model, args, shipped)
     for profile in (shipped, measured):
-        plan = plan_memory(model, batch_size=batch_size, seq_len=config.block_size, precision="bf16-mixed",
-                           wrap_policy={Block}, hardware=profile)
+        plan = plan_memory(
+            model,
+            batch_size=batch_size,
+            seq_len=config.block_size,
+            precision="bf16-mixed",
+            wrap_policy={Block},
+            hardware=profile,
+        )
         steps = ", ".join(f"{name} {f.step_s * 1e3:.2f} ms (MFU {f.mfu:.1%})" for name, f in plan.forecasts.items())
         report("note", text=f"forecast on {profile.name}: {steps}")

@@ -31,8 +31,7 @@ def part_streams(settings: Settings) -> None:
     batch = token_batches(config, 1, batch_size)[0]
     for variant in ("fsdp@nccl", "fully_shard"):
         label = f"{variant.removesuffix('@nccl')}: collectives on their own stream, overlapping compute"
-        guarded(label, _trace, settings, variant,
-                config, batch)
+        guarded(label, _trace, settings, variant, config, batch)
 
 
 def _trace(settings: Settings, variant: str, config: GPTConfig, batch: tuple) -> None:
@@ -63,15 +62,20 @@ def _trace(settings: Settings, variant: str, config: GPTConfig, batch: tuple) ->
     if variant == "fully_shard":
         return  # torch's own, traced for comparison (the trace line shows it), not a check of this project
     if settings.device != "cuda":
-        check(f"{variant}: collectives on their own stream, overlapping compute", True,
-              "no CUDA streams on CPU (trace written and read back)")
+        check(
+            f"{variant}: collectives on their own stream, overlapping compute",
+            True,
+            "no CUDA streams on CPU (trace written and read back)",
+        )
         return
     own_stream = summary["comm_events"] > 0 and str(summary["compute_stream"]) not in summary["comm_streams"]
-    check(f"{variant}: collectives on their own stream, overlapping compute",
-          own_stream and summary["overlap_us"] > 0,
-          f"{summary['comm_events']} collective events on streams {summary['comm_streams']} (compute stream "
-          f"{summary['compute_stream']}); {summary['overlap_us']:.0f} of {summary['comm_us']:.0f} us overlap "
-          "compute kernels")
+    check(
+        f"{variant}: collectives on their own stream, overlapping compute",
+        own_stream and summary["overlap_us"] > 0,
+        f"{summary['comm_events']} collective events on streams {summary['comm_streams']} (compute stream "
+        f"{summary['compute_stream']}); {summary['overlap_us']:.0f} of {summary['comm_us']:.0f} us overlap "
+        "compute kernels",
+    )
 
 
 def summarize(path: str) -> dict[str, Any]:
@@ -92,10 +96,15 @@ def summarize(path: str) -> dict[str, Any]:
     names: dict[str, int] = {}
     for e in comm:
         names[e["name"][:60]] = names.get(e["name"][:60], 0) + 1
-    return {"compute_stream": compute, "comm_streams": sorted({str(_stream(e)) for e in comm}),
-            "comm_events": len(comm), "comm_us": sum(e["dur"] for e in comm), "overlap_us": overlap,
-            "comm_names": dict(sorted(names.items(), key=lambda kv: -kv[1])[:6]),
-            "streams": {str(k): round(v) for k, v in per_stream.items()}}
+    return {
+        "compute_stream": compute,
+        "comm_streams": sorted({str(_stream(e)) for e in comm}),
+        "comm_events": len(comm),
+        "comm_us": sum(e["dur"] for e in comm),
+        "overlap_us": overlap,
+        "comm_names": dict(sorted(names.items(), key=lambda kv: -kv[1])[:6]),
+        "streams": {str(k): round(v) for k, v in per_stream.items()},
+    }
 
 
 def _stream(event: dict) -> Any:

@@ -54,8 +54,13 @@ def _rank(rank: int, port: int, device: str, tiny: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-                            timeout=datetime.timedelta(seconds=60))  # a rank that fails ends the other's wait
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=60),
+    )  # a rank that fails ends the other's wait
     try:
         for name in STRATEGIES:
             label = f"two ranks on one {device.upper()} {name} fp32"
@@ -88,6 +93,9 @@ def _parity(settings: Settings, name: str, rank: int, label: str) -> None:
     got = strategy.full_state_dict()
     if rank == 0:
         difference = max_relative_difference(got, want)
-        check(label, difference <= TOLERANCE and placement == {device.type},
-              f"max relative difference {difference:.1e} (limit {TOLERANCE:.0e}); parameters on {placement}")
+        check(
+            label,
+            difference <= TOLERANCE and placement == {device.type},
+            f"max relative difference {difference:.1e} (limit {TOLERANCE:.0e}); parameters on {placement}",
+        )
     strategy.teardown()

@@ -45,8 +45,15 @@ def pieces_to_write(states: dict[str, Any], rank: int, meta: dict[str, Any] | No
     return out
 
 
-def save(writer: CheckpointWriter, states: dict[str, Any], path: str | os.PathLike, rank: int, meta: dict[str, Any],
-         summary: dict[str, Any], **options: Any) -> None:
+def save(
+    writer: CheckpointWriter,
+    states: dict[str, Any],
+    path: str | os.PathLike,
+    rank: int,
+    meta: dict[str, Any],
+    summary: dict[str, Any],
+    **options: Any,
+) -> None:
     """Write a checkpoint of `states` at `path` (`options`: the writer's async_save, links, on_done, texts).
     Collective."""
     writer.save(pieces_to_write(states, rank, meta), path, summary, **options)

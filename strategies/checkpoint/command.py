@@ -12,7 +12,7 @@ SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10
 
 def _size(text: str) -> int:
     number = text.rstrip("KMGIBkmgib")
-    unit = text[len(number):].upper()
+    unit = text[len(number) :].upper()
     if unit not in SIZE_UNITS or not number.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a unit such as 5GB or 500MiB")
     return int(number) * SIZE_UNITS[unit]
@@ -32,23 +32,37 @@ def main(argv: list[str] | None = None) -> None:
     merge = commands.add_parser("consolidate", help="write a checkpoint as one plain torch.load file")
     merge.add_argument("checkpoint")
     merge.add_argument("out")
-    merge.add_argument("--with-optimizer", action="store_true",
-                       help="everything: model, optimizer state keyed by name, trainer state (a full checkpoint)")
+    merge.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="everything: model, optimizer state keyed by name, trainer state (a full checkpoint)",
+    )
     export = commands.add_parser("export", help="write a checkpoint's weights in another format")
     export.add_argument("checkpoint")
     export.add_argument("out_dir")
     export.add_argument("--format", choices=["safetensors"], default="safetensors")
     export.add_argument("--prefix", default="", help="strip this from every name (e.g. 'model.'); others are left out")
-    export.add_argument("--max-shard-size", type=_size, default="5GB",
-                        help="above this, shards and model.safetensors.index.json (default 5GB)")
-    export.add_argument("--ema", action="store_true",
-                        help="the moving average of callbacks.EMA instead of the trained weights")
-    export.add_argument("--trainable-only", action="store_true",
-                        help="only the parameters that were trained (requires_grad), e.g. a LoRA adapter")
+    export.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default="5GB",
+        help="above this, shards and model.safetensors.index.json (default 5GB)",
+    )
+    export.add_argument(
+        "--ema", action="store_true", help="the moving average of callbacks.EMA instead of the trained weights"
+    )
+    export.add_argument(
+        "--trainable-only",
+        action="store_true",
+        help="only the parameters that were trained (requires_grad), e.g. a LoRA adapter",
+    )
     for command in (merge, export):
-        command.add_argument("--trust-pickled", action="store_true",
-                             help="unpickle whatever the checkpoint holds, not only tensors and plain data: only for "
-                                  "a checkpoint whose writer you trust (unpickling can run code)")
+        command.add_argument(
+            "--trust-pickled",
+            action="store_true",
+            help="unpickle whatever the checkpoint holds, not only tensors and plain data: only for "
+            "a checkpoint whose writer you trust (unpickling can run code)",
+        )
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -61,7 +75,14 @@ def _run(args: argparse.Namespace) -> None:
         consolidate(args.checkpoint, args.out, with_optimizer=args.with_optimizer, trust_pickled=args.trust_pickled)
         print(f"wrote {args.out}")
         return
-    left_out = export_safetensors(args.checkpoint, args.out_dir, args.prefix, args.max_shard_size, ema=args.ema,
-                                  trainable_only=args.trainable_only, trust_pickled=args.trust_pickled)
+    left_out = export_safetensors(
+        args.checkpoint,
+        args.out_dir,
+        args.prefix,
+        args.max_shard_size,
+        ema=args.ema,
+        trainable_only=args.trainable_only,
+        trust_pickled=args.trust_pickled,
+    )
     note = f" (left out, not under {args.prefix!r}: {', '.join(left_out)})" if left_out else ""
     print(f"wrote {args.out_dir}{note}")

@@ -44,8 +44,12 @@ def saved_class(meta: dict[str, Any], key: str) -> str | None:
     return next((d["class"] for i, d in enumerate(described) if d.get("key", optim_key(i)) == key), None)
 
 
-def problems(model: ModelShards, saved_model: dict[str, Any], meta: dict[str, Any],
-             optimizers: list[tuple[torch.optim.Optimizer, list[list[str]], dict, str | None]]) -> list[str]:
+def problems(
+    model: ModelShards,
+    saved_model: dict[str, Any],
+    meta: dict[str, Any],
+    optimizers: list[tuple[torch.optim.Optimizer, list[list[str]], dict, str | None]],
+) -> list[str]:
     """Every difference between the checkpoint and the model (missing or unexpected parameters, shapes, dtypes)
     and its `optimizers` (each with its group names, what the checkpoint holds of it and its saved class).
     `saved_model`: what the checkpoint holds under the model's key."""
@@ -67,8 +71,14 @@ def problems(model: ModelShards, saved_model: dict[str, Any], meta: dict[str, An
     return found
 
 
-def _optimizer_problems(i: int, optimizer: torch.optim.Optimizer, names: list[list[str]], saved: dict,
-                        saved_kind: str | None, reported: set[str]) -> list[str]:
+def _optimizer_problems(
+    i: int,
+    optimizer: torch.optim.Optimizer,
+    names: list[list[str]],
+    saved: dict,
+    saved_kind: str | None,
+    reported: set[str],
+) -> list[str]:
     """Differences in class, group count and the parameters of each group (names already reported as missing or
     unexpected in the model are not repeated)."""
     found = []

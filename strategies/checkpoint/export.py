@@ -28,15 +28,25 @@ from .whole import assemble, tied_keys, weight_keys
 
 BATCH_BYTES = 64 << 20  # read about this much of a checkpoint at a time
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 
 
 # ---- one plain file ----------------------------------------------------------------------------------------
-def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer: bool = False,
-                trust_pickled: bool = False) -> None:
+def consolidate(
+    path: str | os.PathLike, out: str | os.PathLike, with_optimizer: bool = False, trust_pickled: bool = False
+) -> None:
     """Write any checkpoint as one plain file that `torch.load` reads, in one process.
 
     The file is streamed: tensors are read and written a batch at a time, so the whole model is never held in
@@ -60,8 +70,11 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, with_optimizer:
     tied = tied_keys(meta)  # a full file holds them: tied again
     keys = [k for k, p in source.paths.items() if k not in tied and (with_optimizer or p[0] in (MODEL, META))]
     objects = source.read({k: None for k in keys if k not in source.tensors})
-    placeholders = {k: torch.empty(source.tensors[k].shape, dtype=source.tensors[k].dtype)  # not resident
-                    for k in keys if k in source.tensors}
+    placeholders = {
+        k: torch.empty(source.tensors[k].shape, dtype=source.tensors[k].dtype)  # not resident
+        for k in keys
+        if k in source.tensors
+    }
     nested = assemble(source, {**objects, **placeholders})
     skeleton = nested if with_optimizer else nested[MODEL]
     where = {k: source.paths[k] if with_optimizer else source.paths[k][1:] for k in placeholders}
@@ -96,9 +109,15 @@ def _batches(source: Source, keys: list[str]) -> Iterator[dict[str, torch.Tensor
 
 
 # ---- safetensors out -----------------------------------------------------------------------------------------
-def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, prefix: str = "",
-                       max_shard_size: int = 5 * 10**9, ema: bool = False, trainable_only: bool = False,
-                       trust_pickled: bool = False) -> list[str]:
+def export_safetensors(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    prefix: str = "",
+    max_shard_size: int = 5 * 10**9,
+    ema: bool = False,
+    trainable_only: bool = False,
+    trust_pickled: bool = False,
+) -> list[str]:
     """Write a checkpoint's weights as safetensors in HuggingFace's layout, in one process, a batch at a time.
 
     The output is `model.safetensors` or, above `max_shard_size` bytes, `model-0000k-of-0000n.safetensors` files
@@ -127,8 +146,9 @@ def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, pref
     """
     source = open_source(path, trust_pickled)
     meta = read_meta_item(source)
-    reads = {source.paths[k][1]: read for k, read in weight_keys(source, meta, path, ema).items()
-             if k in source.tensors}
+    reads = {
+        source.paths[k][1]: read for k, read in weight_keys(source, meta, path, ema).items() if k in source.tensors
+    }
     if trainable_only:
         reads = {name: read for name, read in reads.items() if name in _trainable(meta, path)}
     order = {name: i for i, name in enumerate(meta.get("state_dict_keys", []))}
@@ -136,8 +156,11 @@ def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, pref
     kept = [(n.removeprefix(prefix), reads[n]) for n in names if n.startswith(prefix)]
     shards = _shards([(name, source.tensors[key]) for name, key in kept], max_shard_size)
     os.makedirs(out_dir, exist_ok=True)
-    files = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     keys = dict(kept)
     for file, shard in zip(files, shards):
         _write_safetensors(os.path.join(out_dir, file), source, [(name, keys[name]) for name in shard])
@@ -151,8 +174,10 @@ def export_safetensors(path: str | os.PathLike, out_dir: str | os.PathLike, pref
 
 def _trainable(meta: dict[str, Any], path: Any) -> set[str]:
     if "trainable" not in meta:
-        raise ValueError(f"checkpoint {os.fspath(path)!r} does not record which parameters were trainable (it was "
-                         "written by an older version); leave out trainable_only (--trainable-only)")
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} does not record which parameters were trainable (it was "
+            "written by an older version); leave out trainable_only (--trainable-only)"
+        )
     return set(meta["trainable"])
 
 
@@ -179,8 +204,11 @@ def _write_safetensors(file: str, source: Source, entries: list[tuple[str, str]]
         if meta.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{name}: safetensors has no dtype {meta.dtype}")
         nbytes = meta.numel() * meta.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[meta.dtype], "shape": list(meta.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[meta.dtype],
+            "shape": list(meta.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -196,8 +224,13 @@ def _write_safetensors(file: str, source: Source, entries: list[tuple[str, str]]
 
 
 # ---- safetensors in ------------------------------------------------------------------------------------------
-def load_safetensors(trainer: Any, path: str | os.PathLike, prefix: str = "",
-                     key_mapping: dict[str, str] | None = None, strict: bool = True) -> list[str]:
+def load_safetensors(
+    trainer: Any,
+    path: str | os.PathLike,
+    prefix: str = "",
+    key_mapping: dict[str, str] | None = None,
+    strict: bool = True,
+) -> list[str]:
     """Load weights from safetensors files in HuggingFace's layout into the trainer's model, under any strategy.
 
     Every rank reads only the slices that fall in its own pieces, so a model built on the meta device is never
@@ -259,13 +292,16 @@ def _safetensors_folder(path: str) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     others = [n for n in os.listdir(folder) if n.endswith(".safetensors") and n != os.path.basename(path)]
     if not os.path.isfile(path) or others:
-        raise ValueError(f"load_safetensors: path={path!r} must be a folder of safetensors files, or the only "
-                         "safetensors file of its folder")
+        raise ValueError(
+            f"load_safetensors: path={path!r} must be a folder of safetensors files, or the only "
+            "safetensors file of its folder"
+        )
     return folder
 
 
-def _check_pretrained(model: ModelShards, saved: dict[str, Any], in_files: dict[str, str], path: Any, prefix: str,
-                      strict: bool) -> list[str]:
+def _check_pretrained(
+    model: ModelShards, saved: dict[str, Any], in_files: dict[str, str], path: Any, prefix: str, strict: bool
+) -> list[str]:
     """Every parameter of the model must be in the files with its shape (buffers are loaded where present; with
     `strict=False` parameters may be missing: their names are returned)."""
     aliases = model.aliases()
@@ -281,6 +317,8 @@ def _check_pretrained(model: ModelShards, saved: dict[str, Any], in_files: dict[
             problems.append(f"shape of {name}: safetensors {list(stored.size)}, model {list(shape)}")
     problems += [f"missing: {name}" for name in missing] if strict else []
     if problems:
-        raise ValueError(f"load_safetensors({os.fspath(path)!r}, prefix={prefix!r}) does not fit this model:\n  "
-                         + "\n  ".join(problems))
+        raise ValueError(
+            f"load_safetensors({os.fspath(path)!r}, prefix={prefix!r}) does not fit this model:\n  "
+            + "\n  ".join(problems)
+        )
     return missing

@@ -110,8 +110,10 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
             f"{FORMAT_VERSION} (torch's DCP) only"
         )
     if meta.pop("checksum", None) != _meta_checksum(meta):
-        raise CheckpointError(f"checkpoint file {meta_path!r} was changed after it was written: its checksum does "
-                              "not match its contents (world size, step or file table edited or damaged)")
+        raise CheckpointError(
+            f"checkpoint file {meta_path!r} was changed after it was written: its checksum does "
+            "not match its contents (world size, step or file table edited or damaged)"
+        )
     return meta
 
 

@@ -41,8 +41,9 @@ def save(engine: ShardingEngine | None, strategy: str, path: str | os.PathLike, 
     checkpointer.save(CheckpointWriter(), states, path, checkpointer.global_rank(), meta, summary)
 
 
-def load(engine: ShardingEngine | None, path: str | os.PathLike, state: dict[str, Any],
-         trust_pickled: bool = False) -> dict[str, Any]:
+def load(
+    engine: ShardingEngine | None, path: str | os.PathLike, state: dict[str, Any], trust_pickled: bool = False
+) -> dict[str, Any]:
     """Restore `state` in place from the checkpoint at `path` (of `save` or of the Trainer), resharded to this
     engine's strategy and world size: the model and optimizers in place, objects with `load_state_dict` through
     it, other entries replaced in `state`. Returns every entry of the checkpoint that is not the model or an
@@ -51,16 +52,19 @@ def load(engine: ShardingEngine | None, path: str | os.PathLike, state: dict[str
     loading = checkpointer.Loading(path, trust_pickled)
     _check_keys(loading, path, [model_key, *(key for key, _, _ in optimizers), *objects])
     returned: dict[str, Any] = {}
-    stored_objects = {key: _Object(state if key in objects else {}, key, returned)
-                      for key in _top_level_objects(loading)}
+    stored_objects = {
+        key: _Object(state if key in objects else {}, key, returned) for key in _top_level_objects(loading)
+    }
     states = _owners(engine, model_key, optimizers, stored_objects)
     saved = loading.read(states)
-    compared = [(optimizer, names, saved.get(key, {}), saved_class(loading.meta, key))
-                for key, optimizer, names in optimizers]
+    compared = [
+        (optimizer, names, saved.get(key, {}), saved_class(loading.meta, key)) for key, optimizer, names in optimizers
+    ]
     found = problems(states[model_key], saved.get(model_key, {}), loading.meta, compared)
     if found:
-        raise ValueError(f"strategy.load: checkpoint {os.fspath(path)!r} does not fit this model:\n  "
-                         + "\n  ".join(found))
+        raise ValueError(
+            f"strategy.load: checkpoint {os.fspath(path)!r} does not fit this model:\n  " + "\n  ".join(found)
+        )
     loading.load()
     return returned
 
@@ -98,23 +102,32 @@ class _Object:
 def _split(engine: ShardingEngine | None, state: dict[str, Any], verb: str) -> tuple[str, Optimizers, dict]:
     """(the model's key, the optimizers with their keys and group names, the other entries) of `state`."""
     if not isinstance(state, dict):
-        raise TypeError(f"strategy.{verb}(path, state): state must be a dict such as {{'model': model, "
-                        f"'optimizer': optimizer, 'step': 7}}, got {type(state).__name__}")
+        raise TypeError(
+            f"strategy.{verb}(path, state): state must be a dict such as {{'model': model, "
+            f"'optimizer': optimizer, 'step': 7}}, got {type(state).__name__}"
+        )
     if engine is None:
         raise RuntimeError(f"strategy.{verb}: call strategy.setup_module(model) first (on every rank)")
     module = engine.module
     models = [key for key, value in state.items() if isinstance(value, nn.Module)]
     for key in models:
         if state[key] is not module:
-            raise ValueError(f"strategy.{verb}: state[{key!r}] is a module this strategy did not set up; it "
-                             f"{verb}s the model given to setup_module (put other modules' state_dict() in state)")
+            raise ValueError(
+                f"strategy.{verb}: state[{key!r}] is a module this strategy did not set up; it "
+                f"{verb}s the model given to setup_module (put other modules' state_dict() in state)"
+            )
     if len(models) != 1:
-        raise ValueError(f"strategy.{verb}: state must hold the model given to setup_module once, under a key of "
-                         f"your choice (such as 'model'); it holds it under {models}")
+        raise ValueError(
+            f"strategy.{verb}: state must hold the model given to setup_module once, under a key of "
+            f"your choice (such as 'model'); it holds it under {models}"
+        )
     if META in state:
         raise ValueError(f"strategy.{verb}: the key {META!r} is the checkpoint's own description; use another key")
-    optimizers = [(key, value, group_names(module, engine.optimizer_groups(value)))
-                  for key, value in state.items() if isinstance(value, torch.optim.Optimizer)]
+    optimizers = [
+        (key, value, group_names(module, engine.optimizer_groups(value)))
+        for key, value in state.items()
+        if isinstance(value, torch.optim.Optimizer)
+    ]
     taken = {models[0], *(key for key, _, _ in optimizers)}
     return models[0], optimizers, {key: value for key, value in state.items() if key not in taken}
 
@@ -136,5 +149,6 @@ def _check_keys(loading: checkpointer.Loading, path: Any, keys: list[str]) -> No
     stored = loading.stored_keys()
     missing = [key for key in keys if key not in stored]
     if missing:
-        raise ValueError(f"strategy.load: checkpoint {os.fspath(path)!r} holds no {missing}; it holds "
-                         f"{sorted(stored - {META})}")
+        raise ValueError(
+            f"strategy.load: checkpoint {os.fspath(path)!r} holds no {missing}; it holds {sorted(stored - {META})}"
+        )

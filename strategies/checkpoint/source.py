@@ -48,8 +48,9 @@ class DirectorySource:
         return state
 
     def _refused(self, refused: dict[str, tuple[Any, list[str]]]) -> unpickling.Refused:
-        where = "; ".join(f"{key!r} in {self.reader.storage_data[index].relative_path}"
-                          for key, (index, _) in sorted(refused.items()))
+        where = "; ".join(
+            f"{key!r} in {self.reader.storage_data[index].relative_path}" for key, (index, _) in sorted(refused.items())
+        )
         found = sorted({name for _, names in refused.values() for name in names})
         return unpickling.Refused(f"checkpoint {self.path!r} (item {where})", found)
 

@@ -26,8 +26,9 @@ class StreamedFullFile:
     Keys are paths into the skeleton: ("model", name), ("optim", "state", name, "exp_avg"), ...
     """
 
-    def __init__(self, path: str | os.PathLike, skeleton: Any, placeholders: set[tuple],
-                 trust_pickled: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike, skeleton: Any, placeholders: set[tuple], trust_pickled: bool = False
+    ) -> None:
         self.path = os.fspath(path)
         self.tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
         with torch.serialization.skip_data():

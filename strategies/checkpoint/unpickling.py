@@ -24,12 +24,18 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from .errors import CheckpointError
 
-OPT_IN = ("Load it only if you trust whoever wrote it: pass trust_pickled=True (on the command line "
-          "--trust-pickled); or register the types with torch.serialization.add_safe_globals")
+OPT_IN = (
+    "Load it only if you trust whoever wrote it: pass trust_pickled=True (on the command line "
+    "--trust-pickled); or register the types with torch.serialization.add_safe_globals"
+)
 
 _DCP_CLASSES = [
-    dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata,
-    dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex,
+    dcp_metadata.Metadata,
+    dcp_metadata.TensorStorageMetadata,
+    dcp_metadata.BytesStorageMetadata,
+    dcp_metadata.ChunkStorageMetadata,
+    dcp_metadata.TensorProperties,
+    dcp_metadata.MetadataIndex,
     dcp_metadata.StorageMeta,
 ]
 _PATHS = [pathlib.PurePath, pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.Path, pathlib.PosixPath]
@@ -124,8 +130,10 @@ class Refused(CheckpointError):
     """A pickle that names types outside the allow-list (`found`); nothing of it was unpickled."""
 
     def __init__(self, where: str, found: list[str]) -> None:
-        super().__init__(f"{where} holds pickled objects of type {', '.join(found)}, which a checkpoint may hold only "
-                         f"if trusted (unpickling them could run code): nothing was loaded. {OPT_IN}")
+        super().__init__(
+            f"{where} holds pickled objects of type {', '.join(found)}, which a checkpoint may hold only "
+            f"if trusted (unpickling them could run code): nothing was loaded. {OPT_IN}"
+        )
         self.found = found
 
 
@@ -180,10 +188,13 @@ def warn_if_refused(obj: Any, data: io.BytesIO, key: str) -> None:
     if found and (key, found) not in _warned:
         _warned.add((key, found))
         at = ", ".join(_paths(obj, key)[:5])
-        warnings.warn(f"checkpoint item {key!r} holds objects of type {', '.join(found)} (at {at}): they are saved, "
-                      "but loading the checkpoint refuses them unless given trust_pickled=True (--trust-pickled). "
-                      "Save plain data (tensors, numbers, strings, lists, dicts) instead, or register the types with "
-                      "torch.serialization.add_safe_globals where the checkpoint is loaded", stacklevel=3)
+        warnings.warn(
+            f"checkpoint item {key!r} holds objects of type {', '.join(found)} (at {at}): they are saved, "
+            "but loading the checkpoint refuses them unless given trust_pickled=True (--trust-pickled). "
+            "Save plain data (tensors, numbers, strings, lists, dicts) instead, or register the types with "
+            "torch.serialization.add_safe_globals where the checkpoint is loaded",
+            stacklevel=3,
+        )
 
 
 def _paths(obj: Any, path: str) -> list[str]:

@@ -16,8 +16,9 @@ from .format import EMA, META, MODEL, TRAINER, CheckpointError, optim_key
 from .source import Source, open_source
 
 
-def load_full_state_dict(path: str | os.PathLike, ema: bool = False,
-                         trust_pickled: bool = False) -> dict[str, torch.Tensor]:
+def load_full_state_dict(
+    path: str | os.PathLike, ema: bool = False, trust_pickled: bool = False
+) -> dict[str, torch.Tensor]:
     """The plain model state dict from any checkpoint this project writes, in one process with no process group.
 
     Works for a checkpoint directory written under any strategy and world size, a full file
@@ -63,13 +64,14 @@ def weight_keys(source: Source, meta: dict[str, Any], path: Any, ema: bool = Fal
         return keys
     averaged = {p[1]: k for k, p in source.paths.items() if p[0] == EMA and len(p) == 2}
     if not averaged:
-        raise ValueError(f"checkpoint {os.fspath(path)!r} holds no EMA weights: it was written without "
-                         "callbacks.EMA, or before the average's first update; leave out ema=True (--ema)")
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} holds no EMA weights: it was written without "
+            "callbacks.EMA, or before the average's first update; leave out ema=True (--ema)"
+        )
     return {k: averaged.get(source.paths[k][1], k) for k in keys}
 
 
-def load_checkpoint(path: str | os.PathLike, weights_only: bool = False,
-                    trust_pickled: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, weights_only: bool = False, trust_pickled: bool = False) -> dict[str, Any]:
     """A whole checkpoint in one process, as the nested dict a full file holds. Every item is checked as it is
     read.
 
@@ -122,8 +124,10 @@ def load_trainer_state(path: str | os.PathLike, trust_pickled: bool = False) -> 
     """
     source = open_source(path, trust_pickled)
     if not object_keys(source, {TRAINER}):
-        raise CheckpointError(f"{os.fspath(path)!r} holds weights only: there is no trainer state to read (a "
-                              "checkpoint directory or trainer.save_checkpoint(path, full=True) has one)")
+        raise CheckpointError(
+            f"{os.fspath(path)!r} holds weights only: there is no trainer state to read (a "
+            "checkpoint directory or trainer.save_checkpoint(path, full=True) has one)"
+        )
     return source.read({TRAINER: None})[TRAINER]
 
 

@@ -84,8 +84,12 @@ class CheckpointWriter:
         if group is not None:
             dist.barrier(group=group)
         finish = _Finish(staging, path, [os.path.abspath(p) for p in links], on_done, summary, group, texts)
-        options = dict(storage_writer=FileSystemWriter(staging), planner=ShardSavePlanner(), process_group=group,
-                       no_dist=group is None)
+        options = dict(
+            storage_writer=FileSystemWriter(staging),
+            planner=ShardSavePlanner(),
+            process_group=group,
+            no_dist=group is None,
+        )
         with finish.failing_alike():
             with format.unwrapped(finish.rank):
                 if not async_save:
@@ -119,8 +123,16 @@ class _Finish:
     """After DCP wrote the files: each rank checksums the items in its files, rank 0 writes meta.json and renames
     the staging folder into place, then links and `on_done`. Every rank learns whether it worked."""
 
-    def __init__(self, staging: str, path: str, links: list[str], on_done: Any, summary: dict, group: Any,
-                 texts: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        staging: str,
+        path: str,
+        links: list[str],
+        on_done: Any,
+        summary: dict,
+        group: Any,
+        texts: dict[str, str] | None = None,
+    ) -> None:
         self.staging, self.path, self.links, self.on_done = staging, path, links, on_done
         self.summary, self.group, self.texts = summary, group, dict(texts or {})
         self.rank = dist.get_rank() if group is not None else 0

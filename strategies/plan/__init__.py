@@ -1,7 +1,7 @@
 """The plan: bytes per rank under ddp, zero1, zero2 and fsdp, and each one's step time, known before launch.
 
-    python -m strategies.plan examples.gpt:gpt_100m --world-size 2 --batch-size 2
-    trainer.plan(module)                  # the same table, for the Trainer's world size and strategy options
+python -m strategies.plan examples.gpt:gpt_100m --world-size 2 --batch-size 2
+trainer.plan(module)                  # the same table, for the Trainer's world size and strategy options
 """
 
 from .hardware import HARDWARE, Hardware, Link, get_hardware

@@ -27,38 +27,80 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         description="Bytes per rank (parameters, gradients, optimizer state, units in flight, activations) under "
         "ddp, zero1, zero2 and fsdp, for a model built on the meta device: no memory, seconds even at 70B.",
     )
-    p.add_argument("target", metavar="MODULE:FACTORY",
-                   help="an importable module and a zero-argument callable in it returning an nn.Module or a "
-                        "TrainModule, e.g. examples.gpt:gpt_100m or examples.llama:llama_7b")
+    p.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        help="an importable module and a zero-argument callable in it returning an nn.Module or a "
+        "TrainModule, e.g. examples.gpt:gpt_100m or examples.llama:llama_7b",
+    )
     p.add_argument("--world-size", type=int, default=1, help="ranks in all (default 1)")
     p.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over (default 1)")
-    p.add_argument("--hybrid-shard", type=int, metavar="G", help="also plan hsdp: fsdp sharded within groups of G "
-                   "ranks, replicated across them (default with --nodes > 1: the ranks of one node)")
+    p.add_argument(
+        "--hybrid-shard",
+        type=int,
+        metavar="G",
+        help="also plan hsdp: fsdp sharded within groups of G "
+        "ranks, replicated across them (default with --nodes > 1: the ranks of one node)",
+    )
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank (default 1)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model config's block_size, "
-                                                "max_seq_len or max_position_embeddings)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sequence (default: the model config's block_size, max_seq_len or max_position_embeddings)",
+    )
     p.add_argument("--precision", default="32", choices=PRECISIONS, help="the Trainer's precision (default 32)")
-    p.add_argument("--param-dtype", choices=sorted(DTYPES), help="MixedPrecision(param_dtype=...): compute and "
-                   "communicate parameters in this dtype, with fp32 master weights and optimizer state")
-    p.add_argument("--reduce-dtype", choices=sorted(DTYPES), help="MixedPrecision(reduce_dtype=...) (default: the "
-                   "param dtype)")
-    p.add_argument("--device-memory", help="memory per rank, e.g. 80GiB (default: the free memory of GPU 0, or "
-                   "on CPU this machine's memory shared by the ranks of one node)")
-    p.add_argument("--optimizer", choices=list(OPTIMIZER_STATES), help="(default: what the module's "
-                   "configure_optimizers returns, else adamw)")
-    p.add_argument("--wrap", metavar="CLASSNAME[,CLASSNAME]", help="module classes whose instances become fsdp units, "
-                   "e.g. Block; transformer blocks cannot be guessed, so without it the whole model is one unit")
-    p.add_argument("--activation-checkpointing", metavar="CLASSNAME[,CLASSNAME]",
-                   help="module classes whose activations are recomputed in backward (they keep only their inputs)")
-    p.add_argument("--ac-mode", choices=AC_MODES, default="full", help="full: checkpointed modules recompute "
-                   "everything (as the engine does); selective: plan torchtitan's per-op policy (matmul outputs "
-                   "saved every other one, attention outputs saved), in memory and time")
-    p.add_argument("--hardware", metavar="NAME|FILE", help=f"the step-time forecast's profile: one of "
-                   f"{sorted(HARDWARE)} or a JSON file --save-hardware wrote (default: this machine's GPU kind, "
-                   "else cpu)")
-    p.add_argument("--measure", action="store_true", help="calibrate the profile on this machine first: matmul "
-                   "and memory rates, one step of the model, and a collectives sweep over real ranks; prints what "
-                   "it measured")
+    p.add_argument(
+        "--param-dtype",
+        choices=sorted(DTYPES),
+        help="MixedPrecision(param_dtype=...): compute and "
+        "communicate parameters in this dtype, with fp32 master weights and optimizer state",
+    )
+    p.add_argument(
+        "--reduce-dtype", choices=sorted(DTYPES), help="MixedPrecision(reduce_dtype=...) (default: the param dtype)"
+    )
+    p.add_argument(
+        "--device-memory",
+        help="memory per rank, e.g. 80GiB (default: the free memory of GPU 0, or "
+        "on CPU this machine's memory shared by the ranks of one node)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZER_STATES),
+        help="(default: what the module's configure_optimizers returns, else adamw)",
+    )
+    p.add_argument(
+        "--wrap",
+        metavar="CLASSNAME[,CLASSNAME]",
+        help="module classes whose instances become fsdp units, "
+        "e.g. Block; transformer blocks cannot be guessed, so without it the whole model is one unit",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        metavar="CLASSNAME[,CLASSNAME]",
+        help="module classes whose activations are recomputed in backward (they keep only their inputs)",
+    )
+    p.add_argument(
+        "--ac-mode",
+        choices=AC_MODES,
+        default="full",
+        help="full: checkpointed modules recompute "
+        "everything (as the engine does); selective: plan torchtitan's per-op policy (matmul outputs "
+        "saved every other one, attention outputs saved), in memory and time",
+    )
+    p.add_argument(
+        "--hardware",
+        metavar="NAME|FILE",
+        help=f"the step-time forecast's profile: one of "
+        f"{sorted(HARDWARE)} or a JSON file --save-hardware wrote (default: this machine's GPU kind, "
+        "else cpu)",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="calibrate the profile on this machine first: matmul "
+        "and memory rates, one step of the model, and a collectives sweep over real ranks; prints what "
+        "it measured",
+    )
     p.add_argument("--save-hardware", metavar="FILE", help="with --measure: write the measured profile here")
     p.add_argument("--json", action="store_true", help="print bytes per rank and the forecast by strategy as JSON")
     return p, p.parse_args(argv)
@@ -93,8 +135,10 @@ def class_policy(
     wanted = {n.strip() for n in names.split(",") if n.strip()}
     present = {type(m).__name__ for m in model.modules()}
     if not wanted or wanted - present:
-        parser.error(f"{option} {names}: no module of class {sorted(wanted - present)} in the model; "
-                     f"its classes are {sorted(present)}")
+        parser.error(
+            f"{option} {names}: no module of class {sorted(wanted - present)} in the model; "
+            f"its classes are {sorted(present)}"
+        )
     return lambda module, name: type(module).__name__ in wanted
 
 
@@ -119,14 +163,23 @@ def main(argv: list[str] | None = None) -> None:
         elif args.save_hardware:
             parser.error("--save-hardware: give --measure too (it saves what was measured)")
         plan = plan_memory(
-            model, world_size=args.world_size, nodes=args.nodes, hybrid_shard=args.hybrid_shard,
-            batch_size=args.batch_size, seq_len=args.seq_len,
-            precision=args.precision, param_dtype=DTYPES.get(args.param_dtype),
-            reduce_dtype=DTYPES.get(args.reduce_dtype), optimizer=args.optimizer,
+            model,
+            world_size=args.world_size,
+            nodes=args.nodes,
+            hybrid_shard=args.hybrid_shard,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            precision=args.precision,
+            param_dtype=DTYPES.get(args.param_dtype),
+            reduce_dtype=DTYPES.get(args.reduce_dtype),
+            optimizer=args.optimizer,
             wrap_policy=class_policy(parser, model, "--wrap", args.wrap),
-            activation_checkpointing=class_policy(parser, model, "--activation-checkpointing",
-                                                  args.activation_checkpointing),
-            device_memory=memory, hardware=hardware, checkpoint_mode=args.ac_mode,
+            activation_checkpointing=class_policy(
+                parser, model, "--activation-checkpointing", args.activation_checkpointing
+            ),
+            device_memory=memory,
+            hardware=hardware,
+            checkpoint_mode=args.ac_mode,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -15,9 +15,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 AC_MODES = ("full", "selective")
 _aten = torch.ops.aten
-ATTENTION_FORWARD = {op for op in (getattr(_aten, name, None) for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")) if op is not None}
+ATTENTION_FORWARD = {
+    op
+    for op in (
+        getattr(_aten, name, None)
+        for name in (
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+        )
+    )
+    if op is not None
+}
 SAVED_BY_SELECTIVE = {_aten.mm, _aten.addmm, *ATTENTION_FORWARD}
 
 
@@ -44,8 +54,7 @@ def selective_context() -> Any:
     return create_selective_checkpoint_contexts(selective_policy())
 
 
-def checkpoint_modules(model: nn.Module, checkpointed: Callable[[nn.Module, str], bool] | None,
-                        mode: str) -> None:
+def checkpoint_modules(model: nn.Module, checkpointed: Callable[[nn.Module, str], bool] | None, mode: str) -> None:
     """Wrap the forward of each module the policy picks in torch.utils.checkpoint (not nested)."""
     if checkpointed is None:
         return

@@ -275,9 +275,11 @@ def example_batches(model: nn.Module, batch_size: int, seq_len: int | None, samp
 
 
 def _no_batch(model: nn.Module) -> str:
-    return (f"{type(model).__name__}: the plan cannot make a batch for it; define example_input(batch_size, seq_len) "
-            "on the module (it returns the forward's input, or training_step's batch for a TrainModule)"
-            + (", or pass train_dataloaders" if callable(getattr(model, "training_step", None)) else ""))
+    return (
+        f"{type(model).__name__}: the plan cannot make a batch for it; define example_input(batch_size, seq_len) "
+        "on the module (it returns the forward's input, or training_step's batch for a TrainModule)"
+        + (", or pass train_dataloaders" if callable(getattr(model, "training_step", None)) else "")
+    )
 
 
 def _batched(value: Any, batch_size: int) -> Any:
@@ -394,8 +396,16 @@ def _drop_gradients(model: nn.Module, mode: LiveBytes, order: list[str]) -> list
     return [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
 
 
-def _step_bytes(model: nn.Module, mode: LiveBytes, excluded: set[int], batch: Any, targets: Any,
-                precision: str, param_dtype: torch.dtype | None, checkpointed: Any) -> StepActivations:
+def _step_bytes(
+    model: nn.Module,
+    mode: LiveBytes,
+    excluded: set[int],
+    batch: Any,
+    targets: Any,
+    precision: str,
+    param_dtype: torch.dtype | None,
+    checkpointed: Any,
+) -> StepActivations:
     saved = SavedBytes(excluded, mode)
     mode.live = mode.peak = mode.segment_peak = 0
     mode.tensors = {}

@@ -31,10 +31,19 @@ from .activations import AUTOCAST, _norms_in_full_precision, example_batches, to
 from .hardware import Hardware
 
 _aten = torch.ops.aten
-ATTENTION_BACKWARD = {op for op in (getattr(_aten, name, None) for name in (
-    "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward"))
-    if op is not None}
+ATTENTION_BACKWARD = {
+    op
+    for op in (
+        getattr(_aten, name, None)
+        for name in (
+            "_scaled_dot_product_flash_attention_for_cpu_backward",
+            "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_cudnn_attention_backward",
+        )
+    )
+    if op is not None
+}
 NO_DATA_MOVED = {_aten._unsafe_view, _aten.detach, _aten.alias, _aten.lift_fresh}  # views in all but name
 
 
@@ -158,8 +167,15 @@ def compute_cost(
     raise AssertionError("unreachable")
 
 
-def _timed_step(model: nn.Module, mode: FakeTensorMode, hardware: Hardware, batch: Any, targets: Any,
-                precision: str, param_dtype: torch.dtype | None) -> ComputeCost:
+def _timed_step(
+    model: nn.Module,
+    mode: FakeTensorMode,
+    hardware: Hardware,
+    batch: Any,
+    targets: Any,
+    precision: str,
+    param_dtype: torch.dtype | None,
+) -> ComputeCost:
     clock = OpClock(hardware)
     with ExitStack() as stack:
         handles = _norms_in_full_precision(model) if param_dtype is not None else []

@@ -132,8 +132,9 @@ class Reductions:
             self.line.now = max(self.line.now, self.in_flight.pop(0))
 
 
-def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], hybrid_replicas: int,
-                  reduce_itemsize: int | None) -> None:
+def _sharded_step(
+    line: Timeline, cost: ComputeCost, units: list[PlannedUnit], hybrid_replicas: int, reduce_itemsize: int | None
+) -> None:
     names = [u.name for u in units]
     by_name = {u.name: u for u in units}
     shard = line.topology.shard_ranks
@@ -170,8 +171,9 @@ def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], h
                 started.add(unit)
                 for nxt in prefetch_window(sequence, sequence.index(unit) + 1, by_name):
                     if nxt not in ready:
-                        ready[nxt] = line.issue("all_gather", gather_bytes(by_name[nxt]), shard,
-                                                at=max(line.now, ready[unit]))
+                        ready[nxt] = line.issue(
+                            "all_gather", gather_bytes(by_name[nxt]), shard, at=max(line.now, ready[unit])
+                        )
             line.compute(seconds, ready[unit])
             if phase == "backward" and unit != "" and last_segment[unit] == i:
                 reduce(by_name[unit])
@@ -180,8 +182,15 @@ def _sharded_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], h
     reductions.launch()
 
 
-def _bucketed_step(line: Timeline, cost: ComputeCost, units: list[PlannedUnit], param_owners: list[list[str]],
-                   sharded_gradients: bool, gather_after_step: bool, reduce_itemsize: int | None) -> list[int]:
+def _bucketed_step(
+    line: Timeline,
+    cost: ComputeCost,
+    units: list[PlannedUnit],
+    param_owners: list[list[str]],
+    sharded_gradients: bool,
+    gather_after_step: bool,
+    reduce_itemsize: int | None,
+) -> list[int]:
     """ddp, zero1, zero2: buckets reduced as backward completes them. Returns the bytes to gather after the step."""
     world = line.topology.world_size
     done_at: dict[str, float] = {}
@@ -244,8 +253,15 @@ def forecast_step(
         gathers: list[int] = []
     else:
         line.compute(cost.forward_total)
-        gathers = _bucketed_step(line, cost, units, param_owners or [[] for _ in units], spec.shard_gradients,
-                                 spec.shard_optimizer_state, reduce_itemsize)
+        gathers = _bucketed_step(
+            line,
+            cost,
+            units,
+            param_owners or [[] for _ in units],
+            spec.shard_gradients,
+            spec.shard_optimizer_state,
+            reduce_itemsize,
+        )
     line.now = max(line.now, line.stream_free)
     optimizer_s = optimizer_seconds(units, spec.shard_optimizer_state, states, hardware)
     line.compute(optimizer_s)

@@ -72,8 +72,17 @@ _H100_SOURCES = [
 ]
 
 
-def _gpu(name: str, peak_bf16: float, peak_fp32: float, mamf_bf16: float, hbm: float, nvlink_one_way: float,
-         nic_gbit: float, attention_fraction: float, sources: list[str]) -> Hardware:
+def _gpu(
+    name: str,
+    peak_bf16: float,
+    peak_fp32: float,
+    mamf_bf16: float,
+    hbm: float,
+    nvlink_one_way: float,
+    nic_gbit: float,
+    attention_fraction: float,
+    sources: list[str],
+) -> Hardware:
     return Hardware(
         name=name,
         matmul_flops={"bfloat16": mamf_bf16, "float16": mamf_bf16, "float32": 0.8 * peak_fp32},
@@ -88,20 +97,41 @@ def _gpu(name: str, peak_bf16: float, peak_fp32: float, mamf_bf16: float, hbm: f
 
 
 HARDWARE: dict[str, Hardware] = {
-    "h100": _gpu("h100", 989.4 * TFLOPS, 66.9 * TFLOPS, 794.5 * TFLOPS, 3.35e12, 450 * GBPS, 400, 0.35,
-                 _H100_SOURCES),
-    "h200": _gpu("h200", 989.4 * TFLOPS, 66.9 * TFLOPS, 794.5 * TFLOPS, 4.8e12, 450 * GBPS, 400, 0.35, [
-        "the H100's compute (same GH100 die and clocks at 700 W; H200 data sheet: 989.4 dense bf16 TFLOP/s), "
-        "with the H200's 4.8 TB/s HBM3e; every other number as for h100:", *_H100_SOURCES[1:]]),
-    "a100": _gpu("a100", 312 * TFLOPS, 19.5 * TFLOPS, 271.2 * TFLOPS, 2.039e12, 300 * GBPS, 200, 0.6, [
-        "peak: NVIDIA A100 SXM 80GB data sheet (312 dense bf16 TFLOP/s, 19.5 fp32, 2.039 TB/s, NVLink 600 GB/s "
-        "both directions)",
-        "matmul_flops bf16: 271.2 TFLOP/s, MAMF measured on an A100 SXM with torch 2.6.0+cu126 (ml-engineering, "
-        "MAMF table); fp32: 80% of peak (assumed)",
-        "attention_fraction 0.6: FlashAttention-2 reaches 50-73% of A100's peak (Dao 2023) (assumed within that)",
-        "memory_bandwidth 80% of peak, op_overhead 4 us, links at 80% (NVLink) / 90% (200 Gb/s HDR NIC per GPU), "
-        "2 / 5 us per ring step: assumed",
-    ]),
+    "h100": _gpu("h100", 989.4 * TFLOPS, 66.9 * TFLOPS, 794.5 * TFLOPS, 3.35e12, 450 * GBPS, 400, 0.35, _H100_SOURCES),
+    "h200": _gpu(
+        "h200",
+        989.4 * TFLOPS,
+        66.9 * TFLOPS,
+        794.5 * TFLOPS,
+        4.8e12,
+        450 * GBPS,
+        400,
+        0.35,
+        [
+            "the H100's compute (same GH100 die and clocks at 700 W; H200 data sheet: 989.4 dense bf16 TFLOP/s), "
+            "with the H200's 4.8 TB/s HBM3e; every other number as for h100:",
+            *_H100_SOURCES[1:],
+        ],
+    ),
+    "a100": _gpu(
+        "a100",
+        312 * TFLOPS,
+        19.5 * TFLOPS,
+        271.2 * TFLOPS,
+        2.039e12,
+        300 * GBPS,
+        200,
+        0.6,
+        [
+            "peak: NVIDIA A100 SXM 80GB data sheet (312 dense bf16 TFLOP/s, 19.5 fp32, 2.039 TB/s, NVLink 600 GB/s "
+            "both directions)",
+            "matmul_flops bf16: 271.2 TFLOP/s, MAMF measured on an A100 SXM with torch 2.6.0+cu126 (ml-engineering, "
+            "MAMF table); fp32: 80% of peak (assumed)",
+            "attention_fraction 0.6: FlashAttention-2 reaches 50-73% of A100's peak (Dao 2023) (assumed within that)",
+            "memory_bandwidth 80% of peak, op_overhead 4 us, links at 80% (NVLink) / 90% (200 Gb/s HDR NIC per GPU), "
+            "2 / 5 us per ring step: assumed",
+        ],
+    ),
     # A rough CPU of this project's CI machines (2 cores; measured 2026-11-27 with --measure, rounded); a run that
     # matters calibrates its own machine with --measure.
     "cpu": Hardware(
@@ -113,8 +143,10 @@ HARDWARE: dict[str, Hardware] = {
         op_overhead=10e-6,
         intra_node=Link(1.5e9, 60e-6),
         inter_node=Link(1e9, 100e-6),
-        sources=["rough figures of a 2-core CI machine, one core per rank (assumed); calibrate with --measure",
-                 "gloo's collectives use the same cores as compute: nothing overlaps"],
+        sources=[
+            "rough figures of a 2-core CI machine, one core per rank (assumed); calibrate with --measure",
+            "gloo's collectives use the same cores as compute: nothing overlaps",
+        ],
         comm_overlaps_compute=False,
     ),
 }
@@ -129,8 +161,10 @@ def get_hardware(name: str | Hardware) -> Hardware:
     if os.path.isfile(name):
         with open(name) as f:
             return Hardware.from_json(json.load(f))
-    raise ValueError(f"hardware={name!r} is not known; choose one of {sorted(HARDWARE)} or give the JSON file "
-                     "that --measure --save-hardware wrote")
+    raise ValueError(
+        f"hardware={name!r} is not known; choose one of {sorted(HARDWARE)} or give the JSON file "
+        "that --measure --save-hardware wrote"
+    )
 
 
 def default_hardware() -> Hardware:

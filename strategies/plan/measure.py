@@ -94,8 +94,7 @@ def sweep_collectives(ranks: int, threads: int) -> list[tuple[str, int, float]]:
     """(kind, bytes, seconds) of the engine's collectives over `ranks` gloo ranks of this machine."""
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(_sweep_worker, args=(ranks, _free_port(), threads, results), nprocs=ranks,
-                       start_method="spawn")
+    mp.start_processes(_sweep_worker, args=(ranks, _free_port(), threads, results), nprocs=ranks, start_method="spawn")
     return results.get()
 
 
@@ -111,8 +110,9 @@ def fit_link(samples: list[tuple[str, int, float]], ranks: int) -> Link:
     return Link(bandwidth=1 / max(seconds_per_byte, 1e-15), latency=max(latency, 0.0))
 
 
-def _one_step_seconds(model: nn.Module, batch_size: int, seq_len: int | None, device: torch.device,
-                      precision: str = "32") -> float | None:
+def _one_step_seconds(
+    model: nn.Module, batch_size: int, seq_len: int | None, device: torch.device, precision: str = "32"
+) -> float | None:
     """A real AdamW step of the model (tokens in, next-token loss, under the precision's autocast) on this device;
     None where it is no token model or does not fit."""
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
@@ -155,26 +155,36 @@ def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) 
     torch.set_num_threads(threads)
     try:
         rates = measure_rates(device)
-        print(f"measured on {device.type} with {threads} thread(s) per rank: matmul fp32 "
-              f"{rates['float32'] / 1e9:,.1f} GFLOP/s, bf16 {rates['bfloat16'] / 1e9:,.1f} GFLOP/s, memory "
-              f"{rates['memory'] / 1e9:,.2f} GB/s, {rates['overhead'] * 1e6:,.1f} us per op, attention at "
-              f"{rates['attention_fraction']:.2f} of the matmul rate", flush=True)
-        profile = replace(base, name=f"{device.type} (measured)",
-                          matmul_flops={"float32": rates["float32"], "bfloat16": rates["bfloat16"],
-                                        "float16": rates["bfloat16"]},
-                          peak_flops=base.peak_flops if device.type == "cuda" else
-                          {"float32": rates["float32"], "bfloat16": rates["bfloat16"], "float16": rates["bfloat16"]},
-                          memory_bandwidth=rates["memory"], op_overhead=rates["overhead"],
-                          attention_fraction=min(1.0, rates["attention_fraction"]),
-                          sources=["measured by python -m strategies.plan --measure on this machine"],
-                          comm_overlaps_compute=device.type == "cuda")
+        print(
+            f"measured on {device.type} with {threads} thread(s) per rank: matmul fp32 "
+            f"{rates['float32'] / 1e9:,.1f} GFLOP/s, bf16 {rates['bfloat16'] / 1e9:,.1f} GFLOP/s, memory "
+            f"{rates['memory'] / 1e9:,.2f} GB/s, {rates['overhead'] * 1e6:,.1f} us per op, attention at "
+            f"{rates['attention_fraction']:.2f} of the matmul rate",
+            flush=True,
+        )
+        profile = replace(
+            base,
+            name=f"{device.type} (measured)",
+            matmul_flops={"float32": rates["float32"], "bfloat16": rates["bfloat16"], "float16": rates["bfloat16"]},
+            peak_flops=base.peak_flops
+            if device.type == "cuda"
+            else {"float32": rates["float32"], "bfloat16": rates["bfloat16"], "float16": rates["bfloat16"]},
+            memory_bandwidth=rates["memory"],
+            op_overhead=rates["overhead"],
+            attention_fraction=min(1.0, rates["attention_fraction"]),
+            sources=["measured by python -m strategies.plan --measure on this machine"],
+            comm_overlaps_compute=device.type == "cuda",
+        )
         profile = _calibrated(profile, model, args, device)
     finally:
         torch.set_num_threads(previous)
     if local > 1 and device.type == "cpu":
         link = fit_link(sweep_collectives(local, threads), local)
-        print(f"collectives over {local} gloo ranks: {link.bandwidth / 1e9:,.2f} GB/s bus bandwidth, "
-              f"{link.latency * 1e6:,.0f} us per ring step", flush=True)
+        print(
+            f"collectives over {local} gloo ranks: {link.bandwidth / 1e9:,.2f} GB/s bus bandwidth, "
+            f"{link.latency * 1e6:,.0f} us per ring step",
+            flush=True,
+        )
         profile = replace(profile, intra_node=link, inter_node=link)
     if args.save_hardware:
         import json
@@ -193,10 +203,22 @@ def _calibrated(profile: Hardware, model: nn.Module, args: Any, device: torch.de
     if measured is None:
         print("one step of the model: not measured (not a token model, or it does not fit); micro-benchmarks only")
         return profile
-    forecast = plan_memory(model, world_size=1, batch_size=args.batch_size, seq_len=args.seq_len,
-                           precision=precision, hardware=profile).forecasts["ddp"].step_s
+    forecast = (
+        plan_memory(
+            model, world_size=1, batch_size=args.batch_size, seq_len=args.seq_len, precision=precision, hardware=profile
+        )
+        .forecasts["ddp"]
+        .step_s
+    )
     scale = measured / forecast
-    print(f"one step of the model: measured {measured * 1e3:,.1f} ms, micro-benchmarks forecast "
-          f"{forecast * 1e3:,.1f} ms: every rate scaled by {1 / scale:.2f}", flush=True)
-    return replace(profile, matmul_flops={k: v / scale for k, v in profile.matmul_flops.items()},
-                   memory_bandwidth=profile.memory_bandwidth / scale, op_overhead=profile.op_overhead * scale)
+    print(
+        f"one step of the model: measured {measured * 1e3:,.1f} ms, micro-benchmarks forecast "
+        f"{forecast * 1e3:,.1f} ms: every rate scaled by {1 / scale:.2f}",
+        flush=True,
+    )
+    return replace(
+        profile,
+        matmul_flops={k: v / scale for k, v in profile.matmul_flops.items()},
+        memory_bandwidth=profile.memory_bandwidth / scale,
+        op_overhead=profile.op_overhead * scale,
+    )

@@ -97,7 +97,10 @@ class PlannedUnit:
 
 
 def plan_units(
-    model: nn.Module, spec: ShardingSpec, world_size: int, wrap_policy: Any = None,
+    model: nn.Module,
+    spec: ShardingSpec,
+    world_size: int,
+    wrap_policy: Any = None,
     param_dtype: torch.dtype | None = None,
     full_precision_norms: bool = True,
 ) -> list[PlannedUnit]:
@@ -122,8 +125,9 @@ def plan_units(
     return units
 
 
-def _unit_bytes(unit: PlannedUnit, spec: ShardingSpec, rank: int, states: int,
-                reduce_dtype: torch.dtype | None) -> tuple[int, int, int]:
+def _unit_bytes(
+    unit: PlannedUnit, spec: ShardingSpec, rank: int, states: int, reduce_dtype: torch.dtype | None
+) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer) bytes of one unit on `rank`; see the module's table."""
     layout, master = unit.layout, unit.dtype.itemsize
     owned = unit.trainable_elements(rank if spec.shard_optimizer_state else None)
@@ -202,8 +206,9 @@ def gradients_in_flight(units: list[PlannedUnit], step: StepActivations) -> int:
     return max(0, peak - max(step.segment_peaks))
 
 
-def optimizer_step_temporaries(units: list[PlannedUnit], spec: ShardingSpec, world_size: int, states: int,
-                                foreach: bool) -> int:
+def optimizer_step_temporaries(
+    units: list[PlannedUnit], spec: ShardingSpec, world_size: int, states: int, foreach: bool
+) -> int:
     """Bytes the optimizer's step makes and frees on the rank with the most: with foreach, one tensor the size of
     all it steps (the plan does not know the parameter groups: one group, the most it can be); without, two
     of the largest tensor it steps (a parameter, or this rank's piece of one under sharded optimizer state)."""
@@ -247,6 +252,12 @@ def model_state_bytes(
     per_rank = [[sum(b) for b in zip(*(_unit_bytes(u, spec, r, states, reduce_dtype) for u in units))] for r in ranks]
     parameters, gradients, optimizer_bytes = max(per_rank, key=sum)
     foreach = torch.cuda.is_available() if foreach is None else foreach
-    return StrategyMemory(parameters, gradients, optimizer_bytes, units_in_flight(units, spec, step), 0,
-                          gradients_between_steps=not spec.shard_gradients,
-                          optimizer_step=optimizer_step_temporaries(units, spec, world_size, states, foreach))
+    return StrategyMemory(
+        parameters,
+        gradients,
+        optimizer_bytes,
+        units_in_flight(units, spec, step),
+        0,
+        gradients_between_steps=not spec.shard_gradients,
+        optimizer_step=optimizer_step_temporaries(units, spec, world_size, states, foreach),
+    )

@@ -73,8 +73,10 @@ def _optimizer_of(model: nn.Module) -> str:
     try:
         result = model.configure_optimizers()
     except Exception as error:
-        raise ValueError(f"optimizer: {type(model).__name__}.configure_optimizers() failed on the meta device "
-                         f"({error!r}); pass the optimizer's name to the plan") from error
+        raise ValueError(
+            f"optimizer: {type(model).__name__}.configure_optimizers() failed on the meta device "
+            f"({error!r}); pass the optimizer's name to the plan"
+        ) from error
     if isinstance(result, dict):
         result = result["optimizer"]
     while isinstance(result, (tuple, list)):
@@ -146,49 +148,114 @@ def plan_memory(
     strategies = {name: STRATEGIES[name]() for name in STRATEGY_ORDER}  # least communication first
     # a hybrid strategy (hsdp) shards within a group of G ranks and replicates across the groups
     hybrid = {name for name, s in strategies.items() if getattr(s, "hybrid_shard", None) is not None}
-    shard_over = {name: group if name in hybrid else world_size for name in strategies
-                  if group is not None or name not in hybrid}
+    shard_over = {
+        name: group if name in hybrid else world_size for name in strategies if group is not None or name not in hybrid
+    }
     checkpointed = resolve_wrap_policy(activation_checkpointing)
-    step = step_activations(_planning_copy(model, precision), batch_size, seq_len, precision, param_dtype,
-                            checkpointed, sample, selective=checkpoint_mode == "selective")
-    rows = {name: model_state_bytes(meta, strategies[name].spec, ranks, wrap_policy=wrap_policy,
-                                    param_dtype=param_dtype, reduce_dtype=reduce_dtype, optimizer=optimizer,
-                                    foreach=foreach, step=step)
-            for name, ranks in shard_over.items()}
-    forecasts = {} if not forecast else _forecasts(
-        model, meta, strategies, shard_over, hardware, world_size, nodes, batch_size, seq_len, precision,
-        param_dtype, reduce_dtype, optimizer, wrap_policy, checkpointed, checkpoint_mode, sample, schedule)
+    step = step_activations(
+        _planning_copy(model, precision),
+        batch_size,
+        seq_len,
+        precision,
+        param_dtype,
+        checkpointed,
+        sample,
+        selective=checkpoint_mode == "selective",
+    )
+    rows = {
+        name: model_state_bytes(
+            meta,
+            strategies[name].spec,
+            ranks,
+            wrap_policy=wrap_policy,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            optimizer=optimizer,
+            foreach=foreach,
+            step=step,
+        )
+        for name, ranks in shard_over.items()
+    }
+    forecasts = (
+        {}
+        if not forecast
+        else _forecasts(
+            model,
+            meta,
+            strategies,
+            shard_over,
+            hardware,
+            world_size,
+            nodes,
+            batch_size,
+            seq_len,
+            precision,
+            param_dtype,
+            reduce_dtype,
+            optimizer,
+            wrap_policy,
+            checkpointed,
+            checkpoint_mode,
+            sample,
+            schedule,
+        )
+    )
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
     description = [
         f"memory plan of {type(model).__name__} ({params / 1e6:,.1f}M parameters) on {world_size} rank(s), "
-        f"{nodes} node(s); per rank: batch {batch_size}" + (f" x {seq_len}" if seq_len else "")
+        f"{nodes} node(s); per rank: batch {batch_size}"
+        + (f" x {seq_len}" if seq_len else "")
         + f", precision {precision}{cast}, optimizer {optimizer}",
-        "fsdp units: " + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
+        "fsdp units: "
+        + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
         + (f"; hsdp shards within groups of {group} ranks" if group is not None else "")
         + ("; activation checkpointing by its policy" if activation_checkpointing is not None else "")
         + (" (selective: torchtitan's per-op policy)" if checkpoint_mode == "selective" else ""),
     ]
     if forecast:
-        description.append(f"step time on {hardware.name}, {world_size // nodes} rank(s) per node (what the profile "
-                           "assumes: strategies/plan/hardware.py)")
+        description.append(
+            f"step time on {hardware.name}, {world_size // nodes} rank(s) per node (what the profile "
+            "assumes: strategies/plan/hardware.py)"
+        )
     if budget is not None:
         description.append(f"device memory per rank: {format_bytes(budget)}")
-    return MemoryPlan({name: replace(row, activations=step.saved, temporaries=step.temporaries)
-                       for name, row in rows.items()},
-                      world_size, nodes, budget, description, forecasts)
+    return MemoryPlan(
+        {name: replace(row, activations=step.saved, temporaries=step.temporaries) for name, row in rows.items()},
+        world_size,
+        nodes,
+        budget,
+        description,
+        forecasts,
+    )
 
 
-def _forecasts(model: nn.Module, meta: nn.Module, strategies: dict[str, Any], shard_over: dict[str, int],
-               hardware: Hardware, world_size: int, nodes: int, batch_size: int, seq_len: int | None,
-               precision: str, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None, optimizer: str,
-               wrap_policy: Any, checkpointed: Any, checkpoint_mode: str, sample: Any,
-               schedule: str) -> dict[str, StepForecast]:
+def _forecasts(
+    model: nn.Module,
+    meta: nn.Module,
+    strategies: dict[str, Any],
+    shard_over: dict[str, int],
+    hardware: Hardware,
+    world_size: int,
+    nodes: int,
+    batch_size: int,
+    seq_len: int | None,
+    precision: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    optimizer: str,
+    wrap_policy: Any,
+    checkpointed: Any,
+    checkpoint_mode: str,
+    sample: Any,
+    schedule: str,
+) -> dict[str, StepForecast]:
     """Each strategy's step on `hardware`, from one timed fake step of a fresh meta copy of the model."""
     timed = _planning_copy(model, precision)
-    cost = compute_cost(timed, hardware, batch_size, seq_len, precision, param_dtype, checkpointed,
-                        checkpoint_mode, sample)
+    cost = compute_cost(
+        timed, hardware, batch_size, seq_len, precision, param_dtype, checkpointed, checkpoint_mode, sample
+    )
     owners = [[name.rpartition(".")[0] for name, _ in bucket] for bucket in gradient_buckets(meta)]
     if param_dtype is not None and param_dtype == next(meta.parameters()).dtype:
         param_dtype = None
@@ -198,7 +265,16 @@ def _forecasts(model: nn.Module, meta: nn.Module, strategies: dict[str, Any], sh
     for name, ranks in shard_over.items():
         spec = strategies[name].spec
         units = plan_units(meta, spec, ranks, wrap_policy, param_dtype, full_precision_norms=schedule == "engine")
-        forecasts[name] = forecast_step(cost, units, spec, hardware, Topology(world_size, nodes, ranks), tokens,
-                                        OPTIMIZER_STATES[optimizer], reduce,
-                                        owners if not spec.shard_parameters else None, SCHEDULES[schedule])
+        forecasts[name] = forecast_step(
+            cost,
+            units,
+            spec,
+            hardware,
+            Topology(world_size, nodes, ranks),
+            tokens,
+            OPTIMIZER_STATES[optimizer],
+            reduce,
+            owners if not spec.shard_parameters else None,
+            SCHEDULES[schedule],
+        )
     return forecasts

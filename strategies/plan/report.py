@@ -85,9 +85,10 @@ class MemoryPlan:
         return next(iter(self.strategies.values())).activations
 
     def to_json(self) -> dict[str, dict[str, float]]:
-        return {name: {**{kind: getattr(row, kind) for kind in KINDS}, "total": row.total,
-                       **self._forecast_json(name)}
-                for name, row in self.strategies.items()}
+        return {
+            name: {**{kind: getattr(row, kind) for kind in KINDS}, "total": row.total, **self._forecast_json(name)}
+            for name, row in self.strategies.items()
+        }
 
     def _forecast_json(self, name: str) -> dict[str, float]:
         forecast = self.forecasts.get(name)
@@ -112,12 +113,16 @@ class MemoryPlan:
     def explain(self, name: str, budget: int | None = None) -> str:
         """One line: what was chosen and why."""
         budget = self._budget(budget)
-        rejected = [f"{other} needs {format_bytes(self.strategies[other].total)}" for other in STRATEGY_ORDER
-                    if other in self.strategies and other != name and STRATEGY_ORDER.index(other) <
-                    STRATEGY_ORDER.index(name)]
+        rejected = [
+            f"{other} needs {format_bytes(self.strategies[other].total)}"
+            for other in STRATEGY_ORDER
+            if other in self.strategies and other != name and STRATEGY_ORDER.index(other) < STRATEGY_ORDER.index(name)
+        ]
         reason = f" ({', '.join(rejected)})" if rejected else ""
-        return (f"{name}: the least-communicating strategy whose plan fits {format_bytes(budget)} per rank, with "
-                f"{format_bytes(self.strategies[name].total)}{reason}")
+        return (
+            f"{name}: the least-communicating strategy whose plan fits {format_bytes(budget)} per rank, with "
+            f"{format_bytes(self.strategies[name].total)}{reason}"
+        )
 
     def _budget(self, budget: int | None) -> int:
         budget = self.device_memory if budget is None else budget
@@ -132,12 +137,27 @@ class MemoryPlan:
         return [_seconds(f.step_s), f"{f.tokens_per_s_per_rank:,.0f}", f"{f.mfu:.1%}", _seconds(f.exposed_comm_s)]
 
     def table(self) -> str:
-        headers = ("strategy", "parameters", "gradients", "optimizer", "units in flight", "activations",
-                   "temporaries", "optimizer step", "total",
-                   *(("step", "tokens/s/rank", "MFU", "exposed comm") if self.forecasts else ()))
-        rows = [[name, *(format_bytes(getattr(row, kind)) for kind in KINDS), format_bytes(row.total),
-                 *self._forecast_cells(name)]
-                for name, row in self.strategies.items()]
+        headers = (
+            "strategy",
+            "parameters",
+            "gradients",
+            "optimizer",
+            "units in flight",
+            "activations",
+            "temporaries",
+            "optimizer step",
+            "total",
+            *(("step", "tokens/s/rank", "MFU", "exposed comm") if self.forecasts else ()),
+        )
+        rows = [
+            [
+                name,
+                *(format_bytes(getattr(row, kind)) for kind in KINDS),
+                format_bytes(row.total),
+                *self._forecast_cells(name),
+            ]
+            for name, row in self.strategies.items()
+        ]
         widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
         best = self.fitting()[0] if self.device_memory is not None and self.fitting() else None
         lines = [*self.description, ""]

@@ -78,8 +78,10 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 def describe(backend: str) -> str:
     """How each collective is carried out on `backend` (shown by the benchmarks)."""
     if backend == "gloo":
-        return (f"all_gather and reduce_scatter as point-to-point messages in {GLOO_P2P_CHUNK_BYTES // 2**20} MiB "
-                f"chunks; all_reduce as gloo's own in {GLOO_CHUNK_BYTES // 2**20} MiB chunks")
+        return (
+            f"all_gather and reduce_scatter as point-to-point messages in {GLOO_P2P_CHUNK_BYTES // 2**20} MiB "
+            f"chunks; all_reduce as gloo's own in {GLOO_CHUNK_BYTES // 2**20} MiB chunks"
+        )
     return f"torch's all_reduce, {_reduce_scatter_single.__name__} and {_all_gather_single.__name__}"
 
 
@@ -167,8 +169,9 @@ def _chunks(numel: int, element_size: int, chunk_bytes: int | None = None) -> li
 ALL_GATHER_TAG, REDUCE_SCATTER_TAG = 1, 2
 
 
-def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any,
-              tag: int) -> list:
+def _exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any, tag: int
+) -> list:
     """Post every send (tensor, to group rank) and receive (tensor, from group rank), chunked; returns the works."""
     works = []
     for tensors, post in ((sends, dist.isend), (recvs, dist.irecv)):
@@ -200,16 +203,22 @@ def all_reduce_sum(buffer: torch.Tensor, group: Any, stats: CommStats, async_op:
     return pending
 
 
-def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group: Any, stats: CommStats, async_op: bool,
-                       unit: str = "") -> Work:
+def reduce_scatter_sum(
+    shard: torch.Tensor, full: torch.Tensor, group: Any, stats: CommStats, async_op: bool, unit: str = ""
+) -> Work:
     """Sum `full` across ranks and leave this rank's slice in `shard`."""
     n = shard.numel()
-    return reduce_scatter_parts(shard, [[full[r * n : (r + 1) * n]] for r in range(full.numel() // n)], group,
-                                stats, async_op, unit)
+    return reduce_scatter_parts(
+        shard, [[full[r * n : (r + 1) * n]] for r in range(full.numel() // n)], group, stats, async_op, unit
+    )
 
 
 def reduce_scatter_parts(
-    shard: torch.Tensor, parts: list[list[torch.Tensor]], group: Any, stats: CommStats, async_op: bool,
+    shard: torch.Tensor,
+    parts: list[list[torch.Tensor]],
+    group: Any,
+    stats: CommStats,
+    async_op: bool,
     unit: str = "",
 ) -> Work:
     """A reduce-scatter whose input is given in parts: `parts[r]` are tensors that, flattened and concatenated,
@@ -282,8 +291,9 @@ def _packed(parts: list[torch.Tensor], packs: list[tuple[int, int]]) -> list[tor
     return [flat[a] if b - a == 1 else torch.cat(flat[a:b]) for a, b in packs]
 
 
-def all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool,
-               unit: str = "") -> Work:
+def all_gather(
+    full: torch.Tensor, shard: torch.Tensor, group: Any, stats: CommStats, async_op: bool, unit: str = ""
+) -> Work:
     """Concatenate every rank's `shard` into `full`. `shard` may be this rank's own place in `full`."""
     if _alone(group):
         if shard.data_ptr() != full.data_ptr():

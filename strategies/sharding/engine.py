@@ -94,8 +94,15 @@ class ShardingEngine:
         self._gathering_bytes = 0
         self._launched: list[list[ShardUnit]] = []  # units whose reductions started together, oldest first
         if meta_ids or has_meta_buffers(module):
-            materialize(module, meta_ids, self.device, self._write_full_parameter, self.groups.everyone,
-                        init_record, [unit.params for unit in self.units])
+            materialize(
+                module,
+                meta_ids,
+                self.device,
+                self._write_full_parameter,
+                self.groups.everyone,
+                init_record,
+                [unit.params for unit in self.units],
+            )
         self._hooks: list[Any] = []  # removable handles of every hook the engine put on the model
         self._register_grad_hooks()
         self._register_zero_grad(module, None)
@@ -120,9 +127,7 @@ class ShardingEngine:
             assigned = assign_to_units(self.module, [n for n, _ in wrapped])
             modules = dict(wrapped)
             # Gradients become ready in reverse forward order: last-registered units first, the root last.
-            groups = [(n, modules[n], assigned[n]) for n, _ in reversed(wrapped)] + [
-                ("", self.module, assigned[""])
-            ]
+            groups = [(n, modules[n], assigned[n]) for n, _ in reversed(wrapped)] + [("", self.module, assigned[""])]
         else:
             groups = [(f"bucket{i}", None, b) for i, b in enumerate(gradient_buckets(self.module))]
         units = []
@@ -168,8 +173,18 @@ class ShardingEngine:
                 f"unit {name or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                 "wrap the modules of each dtype as separate units"
             )
-        return ShardUnit(name, params, self.spec, self.groups, self.stats, module, self.device, options,
-                         frozenset(self._meta_ids), gradient_store=gradient_store)
+        return ShardUnit(
+            name,
+            params,
+            self.spec,
+            self.groups,
+            self.stats,
+            module,
+            self.device,
+            options,
+            frozenset(self._meta_ids),
+            gradient_store=gradient_store,
+        )
 
     def _register_grad_hooks(self) -> None:
         # A tensor's hooks are held from C++, where the garbage collector cannot see a cycle through them, so
@@ -181,8 +196,9 @@ class ShardingEngine:
                     hook = functools.partial(_on_grad_ready, engine, unit_index, index)
                     self._hooks.append(p.register_post_accumulate_grad_hook(hook))
                     if self.spec.shard_gradients:
-                        self._hooks.append(p.register_hook(functools.partial(_drop_placeholder, engine, unit_index,
-                                                                             index)))
+                        self._hooks.append(
+                            p.register_hook(functools.partial(_drop_placeholder, engine, unit_index, index))
+                        )
 
     def _register_zero_grad(self, owner: Any, params: list[torch.Tensor] | None) -> None:
         """`owner.zero_grad()` (the model's or an optimizer's) also clears the engine's gradients of `params`
@@ -256,9 +272,7 @@ class ShardingEngine:
         """Collectives must be issued in the same order on every rank, so reductions start in a fixed order."""
         if not (self.sync_gradients or self.spec.shard_gradients):
             return  # no_sync: replicated gradients accumulate locally
-        while (
-            self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce].grads_ready
-        ):
+        while self._next_reduce < len(self._reduce_order) and self._reduce_order[self._next_reduce].grads_ready:
             unit = self._reduce_order[self._next_reduce]
             self._next_reduce += 1
             if not isinstance(unit.grads, ShardedGradients):
@@ -394,8 +408,10 @@ class ShardingEngine:
     def optimizer_groups(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
         """The module's parameters in each group of `optimizer`, as the user made the groups."""
         if id(optimizer) not in self._optimizer_groups:
-            raise ValueError("this optimizer was not given to strategy.setup_optimizer (call it with the optimizer "
-                             "first, and use the optimizer it returns)")
+            raise ValueError(
+                "this optimizer was not given to strategy.setup_optimizer (call it with the optimizer "
+                "first, and use the optimizer it returns)"
+            )
         return self._optimizer_groups[id(optimizer)]
 
     def after_parameters_changed(self, units: list[ShardUnit] | None = None) -> None:
@@ -484,8 +500,13 @@ def engine_of(module: nn.Module) -> ShardingEngine | None:
 def _nothing_to_shard(spec: ShardingSpec, ranks: int, options: UnitOptions, forward_context: Any) -> bool:
     """fsdp on one rank with nothing that needs its units: no mixed precision (units cast), no offloading (units
     move), no activation offloading (a context around each forward), no one-rank collectives (collectives.py)."""
-    return (spec.shard_parameters and ranks == 1 and options == UnitOptions() and forward_context is None
-            and not one_rank_collectives())
+    return (
+        spec.shard_parameters
+        and ranks == 1
+        and options == UnitOptions()
+        and forward_context is None
+        and not one_rank_collectives()
+    )
 
 
 def _reduce_alike(a: ShardUnit, b: ShardUnit) -> bool:
@@ -497,11 +518,15 @@ def _check_options(spec: ShardingSpec, options: UnitOptions) -> None:
     if options.offload_to_cpu and not spec.shard_parameters:
         raise ValueError("CPU offloading needs sharded parameters (fsdp)")
     if options.param_dtype is not None and not spec.shard_optimizer_state:
-        raise ValueError("mixed precision needs a sharded optimizer state (zero1, zero2 or fsdp), which keeps the "
-                         "full-precision master weights")
+        raise ValueError(
+            "mixed precision needs a sharded optimizer state (zero1, zero2 or fsdp), which keeps the "
+            "full-precision master weights"
+        )
     if not spec.shard_gradients and options.reduce_dtype not in (None, options.param_dtype):
-        raise ValueError("with replicated gradients (zero1) gradients are reduced in param_dtype; leave "
-                         "reduce_dtype=None or use zero2 / fsdp")
+        raise ValueError(
+            "with replicated gradients (zero1) gradients are reduced in param_dtype; leave "
+            "reduce_dtype=None or use zero2 / fsdp"
+        )
 
 
 class _InstanceAttribute:

@@ -119,8 +119,9 @@ class ReplicatedGradients:
                 self.zeroed[index] = True
         fill_flags(self.flags, has_grad)
         self._all_used_here = has_grad == self.unit.trainable
-        self._work = all_reduce_sum(self.buffer, self.unit.groups.everyone, self.unit.stats, async_op=True,
-                                    unit=self.unit.name)
+        self._work = all_reduce_sum(
+            self.buffer, self.unit.groups.everyone, self.unit.stats, async_op=True, unit=self.unit.name
+        )
         self._launched = True
 
     def finish(self) -> None:
@@ -283,8 +284,13 @@ class ShardedGradients:
                 if type(entry) is int:  # padding
                     rank_parts.append(self._zeros(entry))
                 elif (grad := flat[entry[0]]) is None:
-                    rank_parts.append(torch.zeros(unit.layout.numels[entry[0]] if entry[2] < 0 else entry[2] - entry[1],
-                                                  dtype=dtype, device=device))
+                    rank_parts.append(
+                        torch.zeros(
+                            unit.layout.numels[entry[0]] if entry[2] < 0 else entry[2] - entry[1],
+                            dtype=dtype,
+                            device=device,
+                        )
+                    )
                 else:
                     rank_parts.append(grad if entry[2] < 0 else grad[entry[1] : entry[2]])
             rank_parts.append(flags)
@@ -465,8 +471,11 @@ class ShardedGradients:
     def visible_indices(self) -> list[int]:
         """The parameters whose `.grad` is a placeholder (the same on every rank)."""
         self._settle()
-        return [i for i, (used, trainable) in enumerate(zip(self.used, self.unit.trainable))
-                if used and trainable and self.shard is not None]
+        return [
+            i
+            for i, (used, trainable) in enumerate(zip(self.used, self.unit.trainable))
+            if used and trainable and self.shard is not None
+        ]
 
     def state_token(self) -> tuple[int, int]:
         """Changes whenever the gradient shard does (a new shard, or a write into it)."""
@@ -564,13 +573,15 @@ class ShardedGradient(_Refuses, torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs)
 
     def refusal(self, operation: str) -> str:
-        return (f"the gradient of {self._sharded_name!r} is reduce-scattered: each of the {self._sharded_world_size} "
-                f"rank(s) holds only its shard, so it cannot be read here ({operation}). What works on it: "
-                "torch.nn.utils.clip_grad_norm_ and clip_grad_value_, norms (.norm(), torch.linalg.vector_norm; "
-                "collective: on every rank) and in-place scaling (mul_, div_, clamp_, zero_). Clip with "
-                "strategy.clip_gradients(max_norm) or torch's functions; read it in full with "
-                "strategy.full_gradients() (every rank), or use ddp / zero1, whose .grad is the full averaged "
-                "gradient.")
+        return (
+            f"the gradient of {self._sharded_name!r} is reduce-scattered: each of the {self._sharded_world_size} "
+            f"rank(s) holds only its shard, so it cannot be read here ({operation}). What works on it: "
+            "torch.nn.utils.clip_grad_norm_ and clip_grad_value_, norms (.norm(), torch.linalg.vector_norm; "
+            "collective: on every rank) and in-place scaling (mul_, div_, clamp_, zero_). Clip with "
+            "strategy.clip_gradients(max_norm) or torch's functions; read it in full with "
+            "strategy.full_gradients() (every rank), or use ddp / zero1, whose .grad is the full averaged "
+            "gradient."
+        )
 
     def part(self) -> torch.Tensor:
         """This rank's slice of the gradient (1-D, maybe empty), a view into the unit's gradient shard."""
@@ -636,8 +647,9 @@ def _finish(combined: torch.Tensor, ord: float) -> torch.Tensor:
 
 
 # ---- what torch's functions may do with a ShardedGradient ------------------------------------------------
-def _vector_norm(grad: torch.Tensor, ord: float = 2, dim: Any = None, keepdim: bool = False,
-                 *, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _vector_norm(
+    grad: torch.Tensor, ord: float = 2, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     if not isinstance(grad, ShardedGradient):  # a plain tensor beside placeholders in a foreach list
         with torch._C.DisableTorchFunctionSubclass():
             return torch.linalg.vector_norm(grad, ord, dim, keepdim, dtype=dtype)
@@ -649,8 +661,9 @@ def _vector_norm(grad: torch.Tensor, ord: float = 2, dim: Any = None, keepdim: b
     return norm.reshape([1] * grad.dim()) if keepdim else norm
 
 
-def _tensor_norm(grad: torch.Tensor, p: Any = "fro", dim: Any = None, keepdim: bool = False,
-                 dtype: torch.dtype | None = None) -> torch.Tensor:
+def _tensor_norm(
+    grad: torch.Tensor, p: Any = "fro", dim: Any = None, keepdim: bool = False, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     if p is None or p == "fro":
         p = 2
     if isinstance(p, str):
@@ -681,8 +694,10 @@ def _like(value: Any, target: torch.Tensor) -> Any:
         raise _refused(value, "an operand of an in-place operation")
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError("a sharded gradient can be scaled in place by a number or a one-element tensor only, "
-                             f"got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(
+                "a sharded gradient can be scaled in place by a number or a one-element tensor only, "
+                f"got a tensor of shape {tuple(value.shape)}"
+            )
         return value.to(target.device, target.dtype)
     return value
 

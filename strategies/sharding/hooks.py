@@ -290,9 +290,7 @@ def _flatten(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def call_after_inputs_grad(
-    args: tuple, kwargs: dict, callback: Callable[[], None]
-) -> tuple[tuple, dict, bool]:
+def call_after_inputs_grad(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict, bool]:
     """Route the grad-requiring tensor arguments through _AfterInputsGrad. Returns the new arguments and
     whether any input needs a gradient (if none does, the unit's backward ends with its parameters)."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -313,6 +311,7 @@ def call_before_outputs_grad(output: Any, callback: Callable[[], None]) -> None:
     """Run `callback` when the first gradient for any of the module's outputs arrives: before the autograd node
     that made an output runs (a node's pre-hook costs less to register than a tensor hook, which runs at the same
     moment), or when a leaf output's own gradient arrives."""
+
     def hook(_grads: Any) -> None:  # (returns None: the gradients go on unchanged)
         callback()
 

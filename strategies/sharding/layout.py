@@ -120,9 +120,7 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's full-shape view into an unsharded flat buffer."""
-        return [
-            flat[off : off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)
-        ]
+        return [flat[off : off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
 
 
 # ---- a rank's flat slices as boxes of the original tensor (what checkpoints store) --------------------------

@@ -31,8 +31,9 @@ def memory_report(engine: ShardingEngine) -> dict[str, int]:
         report["gradients"] += unit.grads.nbytes
         report["padding"] += pad
     # ZeRO counts the full-precision master copy of mixed precision among the optimizer states (its K = 12).
-    masters = sum(_nbytes(u.master) for u in engine.units if not engine.spec.shard_parameters
-                  and not u.master_is_in_full_flat)
+    masters = sum(
+        _nbytes(u.master) for u in engine.units if not engine.spec.shard_parameters and not u.master_is_in_full_flat
+    )
     report["optimizer_state"] = engine.optimizer_state_bytes + masters
     report["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report["trainable_elements"] = trainable_elements(engine)

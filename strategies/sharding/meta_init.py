@@ -178,12 +178,14 @@ class TensorRef:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> TensorRef:
-        return cls(storage_key(tensor), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-                   tensor.storage_offset())
+        return cls(
+            storage_key(tensor), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset()
+        )
 
     def view(self, storage: torch.UntypedStorage) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(storage, self.offset, self.size,
-                                                                            self.stride)
+        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
+            storage, self.offset, self.size, self.stride
+        )
 
 
 @dataclass(frozen=True)
@@ -195,8 +197,10 @@ class Constant:
 
     def checked(self) -> torch.Tensor:
         if self.value._version != self.version:
-            raise RuntimeError("a real tensor that a model's initialisation read on the meta device was changed in "
-                               "place afterwards, so that initialisation cannot be replayed; pass a copy (.clone())")
+            raise RuntimeError(
+                "a real tensor that a model's initialisation read on the meta device was changed in "
+                "place afterwards, so that initialisation cannot be replayed; pass a copy (.clone())"
+            )
         return self.value
 
 
@@ -250,8 +254,10 @@ class InitRecord:
         while pending:
             key = pending.pop()
             if key not in self.writers:
-                raise ValueError("a tensor of the model was made on the meta device outside the recording "
-                                 "(deferred_init), so its value cannot be reproduced")
+                raise ValueError(
+                    "a tensor of the model was made on the meta device outside the recording "
+                    "(deferred_init), so its value cannot be reproduced"
+                )
             for index in (i for i in self.writers[key] if i < needed[key] and i not in chosen):
                 chosen.add(index)
                 for read in self.ops[index].reads - {key}:
@@ -287,12 +293,14 @@ class InitRecord:
         """Run `func` on the meta device and record it if it creates or writes a meta storage."""
         metas = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta]
         rng = self._draw(func, args, kwargs) if torch.Tag.nondeterministic_seeded in func.tags else None
-        on_meta = tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) and not x.is_meta else x,
-                           (args, kwargs))
+        on_meta = tree_map(lambda x: x.to(META) if isinstance(x, torch.Tensor) and not x.is_meta else x, (args, kwargs))
         out = func(*on_meta[0], **on_meta[1])
         reads = {storage_key(t) for t in metas}
-        fresh = [(i, TensorRef.of(o)) for i, o in enumerate(tree_leaves(out))
-                 if isinstance(o, torch.Tensor) and o.is_meta and storage_key(o) not in reads]
+        fresh = [
+            (i, TensorRef.of(o))
+            for i, o in enumerate(tree_leaves(out))
+            if isinstance(o, torch.Tensor) and o.is_meta and storage_key(o) not in reads
+        ]
         writes = {storage_key(t) for t in written(func, args, kwargs) if t.is_meta} | {r.key for _, r in fresh}
         if writes:
             for t in [*metas, *(o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.is_meta)]:
@@ -308,8 +316,11 @@ class InitRecord:
         generator = kwargs.get("generator") or torch.default_generator
         state = generator.get_state()
         overwritten = {id(t) for t in written(func, args, kwargs)}
-        read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_meta
-                and id(t) not in overwritten]
+        read = [
+            t
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.is_meta and id(t) not in overwritten
+        ]
         values = dict(zip(map(id, read), self.materialize(read))) if read else {}
 
         def scratch(x: Any) -> Any:
@@ -403,8 +414,15 @@ def materialize(
     _initialise_by_module(root, meta_params, device, write_back, group, done)
 
 
-def _replay_unit(params: list[nn.Parameter], meta_params: dict[int, torch.Tensor], record: InitRecord,
-                 device: torch.device, write_back: Callable, group: object, done: set[int]) -> None:
+def _replay_unit(
+    params: list[nn.Parameter],
+    meta_params: dict[int, torch.Tensor],
+    record: InitRecord,
+    device: torch.device,
+    write_back: Callable,
+    group: object,
+    done: set[int],
+) -> None:
     """The unit's parameters, a storage at a time (parameters that view one storage together): each replayed,
     broadcast from rank 0, written into this rank's pieces and dropped before the next."""
     by_storage: dict[int, list[nn.Parameter]] = {}
@@ -432,12 +450,17 @@ def _replay_buffers(root: nn.Module, record: InitRecord, device: torch.device, g
                 module._buffers[key] = replayed[id(b)]
 
 
-def _initialise_by_module(root: nn.Module, meta_params: dict[int, torch.Tensor], device: torch.device,
-                          write_back: Callable, group: object, done: set[int]) -> None:
+def _initialise_by_module(
+    root: nn.Module,
+    meta_params: dict[int, torch.Tensor],
+    device: torch.device,
+    write_back: Callable,
+    group: object,
+    done: set[int],
+) -> None:
     """Meta tensors without a record: each module's own initialisation, one module at a time."""
     for name, module in root.named_modules():
-        own = [p for p in module._parameters.values() if p is not None and id(p) in meta_params
-               and id(p) not in done]
+        own = [p for p in module._parameters.values() if p is not None and id(p) in meta_params and id(p) not in done]
         buffers = [k for k, b in module._buffers.items() if b is not None and b.is_meta]
         if not own and not buffers:
             continue

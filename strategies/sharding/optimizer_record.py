@@ -43,25 +43,38 @@ def mark_state_dicts(engine: _Engine, optimizer: torch.optim.Optimizer) -> list[
 
 def _record(engine: _Engine, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     ids = {id(p) for p in engine.optimizer_parameters(optimizer)}
-    layout = [(unit.name, [n for n, p in zip(unit.param_names, unit.params) if id(p) in ids],
-               [list(s) for s in unit.layout.shapes], [(a, b) for _, a, b in unit.layout.owned(unit.rank)])
-              for unit in engine.units]
-    return {"rank": engine.rank, "ranks": engine.world_size,
-            "layout": f"{zlib.crc32(json.dumps(layout).encode()):08x}"}
+    layout = [
+        (
+            unit.name,
+            [n for n, p in zip(unit.param_names, unit.params) if id(p) in ids],
+            [list(s) for s in unit.layout.shapes],
+            [(a, b) for _, a, b in unit.layout.owned(unit.rank)],
+        )
+        for unit in engine.units
+    ]
+    return {"rank": engine.rank, "ranks": engine.world_size, "layout": f"{zlib.crc32(json.dumps(layout).encode()):08x}"}
 
 
 def _check(mine: dict[str, Any], saved: dict[str, Any] | None) -> None:
     where = f"this optimizer steps rank {mine['rank']}'s shard of the optimizer state of {mine['ranks']} ranks"
-    advice = ("A sharded optimizer's state_dict() is one rank's shard. Save model and optimizer together with "
-              "strategy.save(path, {'model': model, 'optimizer': optimizer}) and restore them with "
-              "strategy.load(path, state), which reshards across strategies and world sizes; or let every rank "
-              "save and load its own state_dict() (a file per rank) under the same strategy and world size.")
+    advice = (
+        "A sharded optimizer's state_dict() is one rank's shard. Save model and optimizer together with "
+        "strategy.save(path, {'model': model, 'optimizer': optimizer}) and restore them with "
+        "strategy.load(path, state), which reshards across strategies and world sizes; or let every rank "
+        "save and load its own state_dict() (a file per rank) under the same strategy and world size."
+    )
     if saved is None:
-        raise ValueError(f"optimizer.load_state_dict: {where}, but this state dict is not a shard (a whole "
-                         f"optimizer's, from one process or ddp?). {advice}")
+        raise ValueError(
+            f"optimizer.load_state_dict: {where}, but this state dict is not a shard (a whole "
+            f"optimizer's, from one process or ddp?). {advice}"
+        )
     if (saved.get("rank"), saved.get("ranks")) != (mine["rank"], mine["ranks"]):
-        raise ValueError(f"optimizer.load_state_dict: {where}, but this state dict holds rank {saved.get('rank')}'s "
-                         f"shard of {saved.get('ranks')} ranks. {advice}")
+        raise ValueError(
+            f"optimizer.load_state_dict: {where}, but this state dict holds rank {saved.get('rank')}'s "
+            f"shard of {saved.get('ranks')} ranks. {advice}"
+        )
     if saved.get("layout") != mine["layout"]:
-        raise ValueError(f"optimizer.load_state_dict: {where}, but this state dict is a shard of another layout "
-                         "(another model, wrap policy or strategy shards the parameters differently). " + advice)
+        raise ValueError(
+            f"optimizer.load_state_dict: {where}, but this state dict is a shard of another layout "
+            "(another model, wrap policy or strategy shards the parameters differently). " + advice
+        )

@@ -78,10 +78,12 @@ class ShardedParameter(_Refuses, nn.Parameter):
     _sharded_world_size: int
 
     def refusal(self, operation: str) -> str:
-        return (f"parameter {self._sharded_name!r} is sharded across {self._sharded_world_size} rank(s): its unit "
-                f"{self._sharded_unit!r} gathers it only while the unit runs forward or backward, so it cannot be "
-                f"read here ({operation}). Call the model, or read it inside `with strategy.unsharded(module):` "
-                "(every rank), or take `strategy.full_state_dict()`.")
+        return (
+            f"parameter {self._sharded_name!r} is sharded across {self._sharded_world_size} rank(s): its unit "
+            f"{self._sharded_unit!r} gathers it only while the unit runs forward or backward, so it cannot be "
+            f"read here ({operation}). Call the model, or read it inside `with strategy.unsharded(module):` "
+            "(every rank), or take `strategy.full_state_dict()`."
+        )
 
     def __repr__(self) -> str:
         return f"ShardedParameter({self._sharded_name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"

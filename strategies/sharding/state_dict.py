@@ -75,8 +75,11 @@ def master_pieces(engine: ShardingEngine) -> list[MasterPiece]:
         for piece in unit.pieces_by_rank[unit.rank]:
             index = piece.param_index
             data = flat[piece.shard_offset : piece.shard_offset + piece.numel]
-            out.append(MasterPiece(unit.param_names[index], unit.layout.shapes[index], piece.start, data,
-                                   unit.trainable[index]))
+            out.append(
+                MasterPiece(
+                    unit.param_names[index], unit.layout.shapes[index], piece.start, data, unit.trainable[index]
+                )
+            )
     return out
 
 
@@ -86,8 +89,12 @@ def _is_elementwise(key: str, value: Any, shape: torch.Size) -> bool:
 
 def _parameters_without_elements(engine: ShardingEngine) -> dict[str, torch.Tensor]:
     """Parameters with no elements, which no rank owns a piece of: written by rank 0, loaded by every rank."""
-    return {name: torch.empty(shape, dtype=unit.dtype) for unit in engine.units
-            for name, shape, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.numels) if numel == 0}
+    return {
+        name: torch.empty(shape, dtype=unit.dtype)
+        for unit in engine.units
+        for name, shape, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.numels)
+        if numel == 0
+    }
 
 
 # ---- what this rank writes -------------------------------------------------------------------------------
@@ -145,8 +152,9 @@ def model_targets(engine: ShardingEngine) -> dict[str, Any]:
             out[piece.name] = FlatPieces(piece.shape, piece.data.dtype, [(piece.start, piece.data)])
     else:
         for unit in engine.units:
-            for name, shape, offset, numel in zip(unit.param_names, unit.layout.shapes, unit.layout.offsets,
-                                                  unit.layout.numels):
+            for name, shape, offset, numel in zip(
+                unit.param_names, unit.layout.shapes, unit.layout.offsets, unit.layout.numels
+            ):
                 out[name] = FlatPieces(shape, unit.dtype, [(0, unit.full_flat[offset : offset + numel])])
     out.update(_parameters_without_elements(engine))
     out.update({k: v.data for k, v in _other_entries(engine).items() if isinstance(v, torch.Tensor)})

@@ -235,8 +235,9 @@ class ShardUnit:
         lo, hi = self.layout.shard_range(self.rank)
         if not self.master_is_in_full_flat:
             self.full_flat[lo:hi].copy_(self.master)  # to the compute dtype
-        return all_gather(self.full_flat, self.full_flat[lo:hi], self.groups.shard, self.stats, async_op=True,
-                          unit=self.name)
+        return all_gather(
+            self.full_flat, self.full_flat[lo:hi], self.groups.shard, self.stats, async_op=True, unit=self.name
+        )
 
     def gather_full_master(self) -> torch.Tensor:
         """Every rank's master slice gathered into a new full-precision flat tensor (fsdp, mixed precision)."""
@@ -326,9 +327,7 @@ def gradient_buckets(root: nn.Module, bucket_elements: int = BUCKET_ELEMENTS) ->
     return sorted(buckets, key=lambda bucket: order[id(bucket[0][1])])
 
 
-def policy_modules(
-    root: nn.Module, policy: Callable[[nn.Module, str], bool] | None
-) -> list[tuple[str, nn.Module]]:
+def policy_modules(root: nn.Module, policy: Callable[[nn.Module, str], bool] | None) -> list[tuple[str, nn.Module]]:
     """Modules the policy makes units, in registration order, plus modules marked by hand; never the root."""
     chosen = []
     for name, module in root.named_modules():

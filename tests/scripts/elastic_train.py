@@ -46,8 +46,9 @@ class Regression(TrainModule):
 
 def loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(SAMPLES, 6, generator=g), torch.randn(SAMPLES, 1, generator=g),
-                         torch.arange(SAMPLES))
+    data = TensorDataset(
+        torch.randn(SAMPLES, 6, generator=g), torch.randn(SAMPLES, 1, generator=g), torch.arange(SAMPLES)
+    )
     return DataLoader(data, batch_size=BATCH, shuffle=True)
 
 
@@ -105,9 +106,18 @@ def train(root: str, strategy: str, lose_after: int | None = None, lose_in_save:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = int(os.environ.get("WORLD_SIZE", "1")) // local  # torchrun's elastic --nnodes MIN:MAX: as launched
     saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=2)
-    trainer = Trainer(strategy=get_strategy(strategy), devices=local, num_nodes=nodes, global_batch_size=GLOBAL_BATCH,
-                      max_steps=STEPS, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[Notes(root, lose_after, lose_in_save), saver], timeout=20)
+    trainer = Trainer(
+        strategy=get_strategy(strategy),
+        devices=local,
+        num_nodes=nodes,
+        global_batch_size=GLOBAL_BATCH,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Notes(root, lose_after, lose_in_save), saver],
+        timeout=20,
+    )
     trainer.fit(Regression(), loader(), ckpt_path="last")
     trainer.save_checkpoint(os.path.join(root, "final.pt"), full=True)
     return trainer

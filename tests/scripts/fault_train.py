@@ -53,8 +53,9 @@ def loader() -> DataLoader:
 class Faults(Callback):
     def __init__(self, root: str, faults: list[str]) -> None:
         self.root = root
-        self.faults = [(i, kind, int(step), int(rank)) for i, (kind, step, rank) in
-                       enumerate(f.split(":") for f in faults)]
+        self.faults = [
+            (i, kind, int(step), int(rank)) for i, (kind, step, rank) in enumerate(f.split(":") for f in faults)
+        ]
         self.trainer: Trainer | None = None
         if any(kind == "save" for _, kind, _, _ in self.faults):
             self._die_in_saves()
@@ -118,12 +119,21 @@ class Faults(Callback):
             time.sleep(0.05)
 
 
-def train(root: str, devices: int = 2, faults: list[str] | None = None, timeout: float = 60,
-          strategy: str = "fsdp") -> Trainer:
+def train(
+    root: str, devices: int = 2, faults: list[str] | None = None, timeout: float = 60, strategy: str = "fsdp"
+) -> Trainer:
     seed_everything(0)
     saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), every_n_train_steps=3)
-    trainer = Trainer(strategy=strategy, devices=devices, max_steps=10, deterministic=True, logger=False,
-                      enable_progress_bar=False, callbacks=[Faults(root, faults or []), saver], timeout=timeout)
+    trainer = Trainer(
+        strategy=strategy,
+        devices=devices,
+        max_steps=10,
+        deterministic=True,
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[Faults(root, faults or []), saver],
+        timeout=timeout,
+    )
     try:
         trainer.fit(Net(), loader(), ckpt_path="last")
     except BaseException:

@@ -42,8 +42,15 @@ def main() -> None:
     # registered before the Trainer starts the process group, so it runs after the launcher's handler (LIFO)
     atexit.register(lambda: print(f"at exit: gloo threads {gloo_threads()}", flush=True))
     strategy = FSDPStrategy(auto_wrap_policy={torch.nn.Linear}, hybrid_shard=1)
-    trainer = Trainer(strategy=strategy, devices=2, max_steps=2, logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=args.root)
+    trainer = Trainer(
+        strategy=strategy,
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args.root,
+    )
     trainer.fit(Net(), DataLoader(TensorDataset(torch.randn(16, 4)), batch_size=4))
     trainer.save_checkpoint(os.path.join(args.root, "ckpt"))
     print(f"rank {trainer.global_rank}: gloo threads before exit {gloo_threads()}", flush=True)

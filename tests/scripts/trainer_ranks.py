@@ -4,7 +4,6 @@ ddp, then each rank prints where it was placed and a checksum of its weights (eq
 python tests/scripts/trainer_ranks.py --devices N [--num-nodes M] --root DIR
 """
 
-
 import argparse
 
 import torch
@@ -32,15 +31,26 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
-    trainer = Trainer(strategy="ddp", devices=args.devices, num_nodes=args.num_nodes, max_steps=2, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                      default_root_dir=args.root)
+    trainer = Trainer(
+        strategy="ddp",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=args.root,
+    )
     module = Net()
-    trainer.fit(module, DataLoader(TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(1))),
-                                   batch_size=4))
+    trainer.fit(
+        module, DataLoader(TensorDataset(torch.randn(32, 4, generator=torch.Generator().manual_seed(1))), batch_size=4)
+    )
     checksum = sum(float(p.sum()) for p in module.parameters())
-    print(f"rank {trainer.global_rank} of {trainer.world_size}, local rank {trainer.local_rank}: "
-          f"weights {checksum:.6f}", flush=True)
+    print(
+        f"rank {trainer.global_rank} of {trainer.world_size}, local rank {trainer.local_rank}: weights {checksum:.6f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ if TYPE_CHECKING:
     from callbacks import Logger, ModelCheckpoint
 
 
-def checkpoint_dirs(checkpoint_callback: ModelCheckpoint | None, logger: Logger | None,
-                    default_root_dir: str) -> list[str]:
+def checkpoint_dirs(
+    checkpoint_callback: ModelCheckpoint | None, logger: Logger | None, default_root_dir: str
+) -> list[str]:
     """Where checkpoints go: the ModelCheckpoint's dirpath, or by default `<log_dir>/checkpoints`; a restarted run
     logs to a new logger version, so then the checkpoints folders of every version count. (Also used by the
     command line, before a Trainer exists, to find the config of `--ckpt_path last`.)"""

@@ -49,8 +49,18 @@ class Saver:
         self.writer.wait()
         summary = {"global_step": trainer.global_step, "epoch": trainer.current_epoch, "world_size": trainer.world_size}
         described = meta(trainer) if trainer.is_global_zero else None
-        checkpointer.save(self.writer, states_to_save(trainer), path, trainer.global_rank, described, summary,
-                          async_save=async_save, links=links, on_done=on_done, texts=self.texts)
+        checkpointer.save(
+            self.writer,
+            states_to_save(trainer),
+            path,
+            trainer.global_rank,
+            described,
+            summary,
+            async_save=async_save,
+            links=links,
+            on_done=on_done,
+            texts=self.texts,
+        )
 
     def save_full(self, trainer: Trainer, path: str) -> None:
         """Write one plain file at `path` that `torch.load` reads. Collective.
@@ -121,8 +131,10 @@ def check_compatible(trainer: Trainer, loading: checkpointer.Loading, path: str,
     if not weights_only and count != len(trainer.optimizers):
         extra = [f"optimizers: checkpoint {count}, module {len(trainer.optimizers)}"]
     elif not weights_only:
-        compared = [(optimizer, names, loading.saved.get(key, {}), saved_class(loading.meta, key))
-                    for key, optimizer, names in optimizers(trainer)]
+        compared = [
+            (optimizer, names, loading.saved.get(key, {}), saved_class(loading.meta, key))
+            for key, optimizer, names in optimizers(trainer)
+        ]
     found = problems(loading.states[MODEL], loading.saved.get(MODEL, {}), loading.meta, compared) + extra
     if found:
         raise ValueError(f"ckpt_path={path!r} does not fit this model:\n  " + "\n  ".join(found))

@@ -59,14 +59,16 @@ def _engine_states(trainer: Trainer, keyed: Optimizers) -> dict[str, Any]:
 
 def optimizers(trainer: Trainer) -> Optimizers:
     """The trainer's optimizers with their checkpoint keys and the parameter names of their groups."""
-    return [(optim_key(i), opt, names) for i, (opt, names) in enumerate(zip(trainer.optimizers,
-                                                                            trainer.param_group_names))]
+    return [
+        (optim_key(i), opt, names) for i, (opt, names) in enumerate(zip(trainer.optimizers, trainer.param_group_names))
+    ]
 
 
 def meta(trainer: Trainer) -> dict[str, Any]:
     """What a checkpoint says about the run and its model: loading checks the model against it."""
-    described = describe(trainer.strategy.model_state(), optimizers(trainer), trainer.world_size,
-                         repr(trainer.strategy))
+    described = describe(
+        trainer.strategy.model_state(), optimizers(trainer), trainer.world_size, repr(trainer.strategy)
+    )
     return {**described, "global_step": trainer.global_step, "epoch": trainer.current_epoch}
 
 
@@ -120,8 +122,10 @@ def _callback_pieces(trainer: Trainer) -> dict[str, dict[str, Any]]:
         for key, entries in cb.sharded_state(trainer).items():
             if not is_callback_key(key) or key in out:
                 taken = sorted({MODEL, "optim", TRAINER, RNG, META, LOADER, *out})
-                raise ValueError(f"{type(cb).__name__}.sharded_state: key {key!r} is taken (by the checkpoint itself "
-                                 f"or another callback); taken: {taken}")
+                raise ValueError(
+                    f"{type(cb).__name__}.sharded_state: key {key!r} is taken (by the checkpoint itself "
+                    f"or another callback); taken: {taken}"
+                )
             out[key] = entries
     return out
 

@@ -7,8 +7,9 @@ jsonargparse is an optional dependency: `pip install "shardtrain[cli]"`.
 try:
     import jsonargparse  # noqa: F401
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError('trainer.cli needs jsonargparse (an optional dependency): pip install "shardtrain[cli]"') \
-        from error
+    raise ImportError(
+        'trainer.cli needs jsonargparse (an optional dependency): pip install "shardtrain[cli]"'
+    ) from error
 
 from .checks import ConfigError
 from .main import CLI

@@ -22,9 +22,18 @@ from .sources import ConfigFile, Sources
 SUBCLASS_KEYS = ("class_path", "init_args", "dict_kwargs", "__path__")
 # Lightning's Trainer (2.x) arguments this Trainer does not take, at Lightning's defaults
 LIGHTNING_ONLY_TRAINER = {
-    "min_epochs": None, "min_steps": None, "limit_predict_batches": None, "overfit_batches": 0.0, "benchmark": None,
-    "inference_mode": True, "detect_anomaly": False, "barebones": False, "plugins": None,
-    "reload_dataloaders_every_n_epochs": 0, "enable_autolog_hparams": True, "model_registry": None,
+    "min_epochs": None,
+    "min_steps": None,
+    "limit_predict_batches": None,
+    "overfit_batches": 0.0,
+    "benchmark": None,
+    "inference_mode": True,
+    "detect_anomaly": False,
+    "barebones": False,
+    "plugins": None,
+    "reload_dataloaders_every_n_epochs": 0,
+    "enable_autolog_hparams": True,
+    "model_registry": None,
 }
 LIGHTNING_ONLY_METHOD = {"verbose": True, "return_predictions": None, "weights_only": None}  # of its methods
 
@@ -118,8 +127,10 @@ def _lightning_default(key: str, value: Any) -> bool:
 def _unsupported(key: str, value: Any, where: str) -> ConfigError | None:
     section, _, name = key.partition(".")
     if section == "trainer" and name in CLOSEST:
-        return ConfigError(f"{key}: {value!r} ({where}) is a Lightning Trainer argument this Trainer does not "
-                           f"support; the closest thing here: {CLOSEST[name]}")
+        return ConfigError(
+            f"{key}: {value!r} ({where}) is a Lightning Trainer argument this Trainer does not "
+            f"support; the closest thing here: {CLOSEST[name]}"
+        )
     return None
 
 

@@ -92,8 +92,10 @@ class CLI:
         run: bool = True,
         auto_configure_optimizers: bool = True,
     ) -> None:
-        self.model_class, self.datamodule_class = _as_class(model_class or TrainModule), _as_class(
-            datamodule_class or DataModule)
+        self.model_class, self.datamodule_class = (
+            _as_class(model_class or TrainModule),
+            _as_class(datamodule_class or DataModule),
+        )
         self.subclass_mode_model = model_class is None or subclass_mode_model
         self.subclass_mode_data = datamodule_class is None or subclass_mode_data
         self.optional_data = datamodule_class is None
@@ -142,13 +144,22 @@ class CLI:
     def _subcommand_parser(self, subcommand: str | None, kwargs: dict[str, Any]) -> ArgumentParser:
         kwargs.setdefault("epilog", f"Precedence: {PRECEDENCE}.")
         parser = ArgumentParser(exit_on_error=False, **kwargs)
-        parser.add_argument("-c", "--config", action=ActionConfigFile,
-                            help=f"a YAML config file; several are merged in order. Precedence: {PRECEDENCE}.")
-        parser.add_argument("--seed_everything", type=bool | int, default=self.seed_everything_default,
-                            help="seed every random generator with this int; true: a random seed (saved in the "
-                                 "config); false: do not seed")
-        parser.add_class_arguments(self.trainer_class, "trainer", fail_untyped=False, sub_configs=True,
-                                    instantiate=False)
+        parser.add_argument(
+            "-c",
+            "--config",
+            action=ActionConfigFile,
+            help=f"a YAML config file; several are merged in order. Precedence: {PRECEDENCE}.",
+        )
+        parser.add_argument(
+            "--seed_everything",
+            type=bool | int,
+            default=self.seed_everything_default,
+            help="seed every random generator with this int; true: a random seed (saved in the "
+            "config); false: do not seed",
+        )
+        parser.add_class_arguments(
+            self.trainer_class, "trainer", fail_untyped=False, sub_configs=True, instantiate=False
+        )
         defaults = {f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"}
         if defaults:
             parser.set_defaults(defaults)
@@ -162,7 +173,8 @@ class CLI:
         if subcommand is not None:
             self._method_arguments = getattr(self, "_method_arguments", {})
             self._method_arguments[subcommand] = parser.add_method_arguments(
-                self.trainer_class, subcommand, skip=self.subcommands()[subcommand], fail_untyped=False)
+                self.trainer_class, subcommand, skip=self.subcommands()[subcommand], fail_untyped=False
+            )
         return parser
 
     @staticmethod
@@ -253,8 +265,11 @@ class CLI:
         callbacks = _as_list(config.get("callbacks")) + _as_list(self.trainer_defaults.get("callbacks"))
         if self.save_config_callback is not None and not config.get("fast_dev_run"):
             sub = self._section(self.config)
-            callbacks.append(self.save_config_callback(self._parser(self.subcommand), sub, command=self.command,
-                                                       **self.save_config_kwargs))
+            callbacks.append(
+                self.save_config_callback(
+                    self._parser(self.subcommand), sub, command=self.command, **self.save_config_kwargs
+                )
+            )
         config["callbacks"] = callbacks
         return self.trainer_class(**config)
 
@@ -263,8 +278,7 @@ class CLI:
 
     # ---- optimizers from the config -----------------------------------------------------------------
     @staticmethod
-    def configure_optimizers(module: TrainModule, optimizer: torch.optim.Optimizer,
-                             lr_scheduler: Any = None) -> Any:
+    def configure_optimizers(module: TrainModule, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> Any:
         """Override to change what `optimizer:` and `lr_scheduler:` give `configure_optimizers`.
 
         Args:
@@ -341,8 +355,7 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def _description() -> str:
-    return (f"Train, validate, test or predict with a configured run. Precedence: {PRECEDENCE}. The resolved "
-            f"config is saved as {CONFIG_FILENAME} beside the logs and in every checkpoint.")
-
-
-
+    return (
+        f"Train, validate, test or predict with a configured run. Precedence: {PRECEDENCE}. The resolved "
+        f"config is saved as {CONFIG_FILENAME} beside the logs and in every checkpoint."
+    )

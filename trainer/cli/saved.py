@@ -36,10 +36,12 @@ def instantiate(parser: Any, config: Any) -> Any:
 def header(command: list[str]) -> str:
     """The comment lines above a saved config: what made it and in which order the sources count."""
     shown = " ".join(command) if command else "(no arguments)"
-    return (f"# The resolved configuration of this run, written by shardtrain's command line (trainer.cli.CLI).\n"
-            f"# Command line: {shown}\n"
-            f"# Precedence: {PRECEDENCE}.\n"
-            f"# Run it again with: python <script> <subcommand> --config <this file>\n")
+    return (
+        f"# The resolved configuration of this run, written by shardtrain's command line (trainer.cli.CLI).\n"
+        f"# Command line: {shown}\n"
+        f"# Precedence: {PRECEDENCE}.\n"
+        f"# Run it again with: python <script> <subcommand> --config <this file>\n"
+    )
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -67,8 +69,16 @@ class SaveConfigCallback(Callback):
         command: the command line, written in the file's header.
     """
 
-    def __init__(self, parser: Any, config: Any, config_filename: str = CONFIG_FILENAME, overwrite: bool = False,
-                 multifile: bool = False, save_to_log_dir: bool = True, command: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        parser: Any,
+        config: Any,
+        config_filename: str = CONFIG_FILENAME,
+        overwrite: bool = False,
+        multifile: bool = False,
+        save_to_log_dir: bool = True,
+        command: list[str] | None = None,
+    ) -> None:
         self.parser, self.config = parser, config
         self.config_filename, self.overwrite, self.save_to_log_dir = config_filename, overwrite, save_to_log_dir
         self.command = list(command or [])
@@ -87,8 +97,10 @@ class SaveConfigCallback(Callback):
         if self.save_to_log_dir and trainer.is_global_zero:
             path = os.path.join(trainer.log_dir or trainer.default_root_dir, self.config_filename)
             if os.path.isfile(path) and not self.overwrite:
-                problem = (f"{type(self).__name__}: {path} exists; not overwriting another run's results. Delete it, "
-                           "log to another folder, or pass CLI(save_config_kwargs={'overwrite': True})")
+                problem = (
+                    f"{type(self).__name__}: {path} exists; not overwriting another run's results. Delete it, "
+                    "log to another folder, or pass CLI(save_config_kwargs={'overwrite': True})"
+                )
             else:
                 write_atomically(path, text)
         problem = trainer.strategy.broadcast(problem)

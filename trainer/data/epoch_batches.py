@@ -86,7 +86,10 @@ def _warn_loading_skipped(loader: Any, skip: int) -> None:
         "own, use_distributed_sampler=False, or an iterable dataset) and the checkpoint holds no state of the "
         "loader's own to restore (give a stream to torchdata's StatefulDataLoader, or resume with "
         "restore_loader_state=True at the checkpoint's world size, to read on where it was)"
-        + (f"; with num_workers={workers}, random augmentation in the workers then differs from an uninterrupted "
-           "run" if workers else ""),
+        + (
+            f"; with num_workers={workers}, random augmentation in the workers then differs from an uninterrupted run"
+            if workers
+            else ""
+        ),
         stacklevel=3,
     )

@@ -52,8 +52,9 @@ class FitLoaders:
         saved = DataLayout(**t.resumed_layout)
         warn_if_the_global_batch_changed(saved, t.data_layout)
         if not t.state.epoch_complete:
-            t.state.batches_done_in_epoch = resumed_batches(saved, t.data_layout, t.state.batches_done_in_epoch,
-                                                            t.restore_loader_state)
+            t.state.batches_done_in_epoch = resumed_batches(
+                saved, t.data_layout, t.state.batches_done_in_epoch, t.restore_loader_state
+            )
 
     def stop_workers(self) -> None:
         """At the end of fit: the persistent workers of the loaders built stop (loaders.stop_persistent_workers),

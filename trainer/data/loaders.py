@@ -201,9 +201,7 @@ def limit_batches(loader: Any, limit: int | float, argument: str) -> int:
         if available is None:
             if limit == 1.0:
                 return 2**62
-            raise ValueError(
-                f"{argument}={limit} needs a loader with a length; give an int number of batches"
-            )
+            raise ValueError(f"{argument}={limit} needs a loader with a length; give an int number of batches")
         return int(available * limit)
     return limit if available is None else min(limit, available)
 

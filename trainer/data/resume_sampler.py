@@ -27,12 +27,20 @@ from torch.utils.data import Dataset, DistributedSampler
 
 
 class ResumableSampler(DistributedSampler):
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int, drop_last: bool,
-                 batch_size: int, seed_samples: bool) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool,
+        batch_size: int,
+        seed_samples: bool,
+    ) -> None:
         """`seed_samples`: load each sample with its own random state in the DataLoader's workers (num_workers >
         0); the dataset's `__getitems__` is set to seed them (`seed_each_sample`)."""
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.batch_size, self.seed_samples = batch_size, seed_samples
         if seed_samples:
             seed_each_sample(dataset)

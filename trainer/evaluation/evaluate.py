@@ -36,8 +36,11 @@ def unless_undefined(trainer: Trainer, module: Any, val_loader: Any) -> Any:
         return val_loader
     trainer.skipped_validation = f"{type(module).__name__} defines no validation_step"
     if trainer.is_global_zero:
-        warnings.warn(f"validation is skipped: {trainer.skipped_validation}, so the validation DataLoader given "
-                      "(by fit's arguments, a datamodule or the module) is not used", stacklevel=3)
+        warnings.warn(
+            f"validation is skipped: {trainer.skipped_validation}, so the validation DataLoader given "
+            "(by fit's arguments, a datamodule or the module) is not used",
+            stacklevel=3,
+        )
     return None
 
 

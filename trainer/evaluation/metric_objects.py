@@ -49,8 +49,10 @@ class EpochMetric:
 def step_value(name: str, metric: Any) -> torch.Tensor:
     """The metric's value for the running batch: what its last call (forward) returned."""
     if is_collection(metric):
-        raise TypeError(f"self.log({name!r}): a {type(metric).__name__} holds several metrics; log it with "
-                        "self.log_dict(collection)")
+        raise TypeError(
+            f"self.log({name!r}): a {type(metric).__name__} holds several metrics; log it with "
+            "self.log_dict(collection)"
+        )
     value = getattr(metric, "_forward_cache", None)
     if value is None:
         raise ValueError(
@@ -77,15 +79,21 @@ def reset(metrics: dict[str, EpochMetric]) -> None:
         metric.reset()
 
 
-def agree_on_entries(values: dict[str, Any], metrics: dict[str, EpochMetric], module: Any,
-                     gather: Callable[[Any], list[Any]], placeholder: Callable[..., Any]) -> None:
+def agree_on_entries(
+    values: dict[str, Any],
+    metrics: dict[str, EpochMetric],
+    module: Any,
+    gather: Callable[[Any], list[Any]],
+    placeholder: Callable[..., Any],
+) -> None:
     """Complete this rank's epoch entries with the collective ones any rank logged (synced values, metric
     objects), so that every rank takes part in the same reductions and compute() calls: after an evaluation in
     which some rank ran no step, that rank logged nothing. It finds a metric object by its attribute path in
     `module`; `placeholder(reduce_fx, prog_bar, to_logger)` is a synced value that adds nothing. Collective."""
     mine = {name: ("value", e.reduce_fx, e.prog_bar, e.to_logger) for name, e in values.items() if e.sync_dist}
-    mine.update({name: ("metric", _path(module, e.metric), e.prog_bar, e.to_logger, e.on_epoch)
-                 for name, e in metrics.items()})
+    mine.update(
+        {name: ("metric", _path(module, e.metric), e.prog_bar, e.to_logger, e.on_epoch) for name, e in metrics.items()}
+    )
     everyone = gather(mine)
     for theirs in everyone:
         for name, (kind, *spec) in theirs.items():

@@ -33,11 +33,13 @@ def infer_batch_size(batch: Any) -> int:
 
 
 def reduce_fx_name(name: str, reduce_fx: Any) -> str:
-    """"mean", "sum", "max" or "min", given as such or as torch's function (torch.mean, ...), as Lightning takes."""
+    """ "mean", "sum", "max" or "min", given as such or as torch's function (torch.mean, ...), as Lightning takes."""
     fx = getattr(reduce_fx, "__name__", reduce_fx)
     if fx not in REDUCE_FX:
-        raise ValueError(f"self.log({name!r}): reduce_fx={reduce_fx!r}; choose one of {list(REDUCE_FX)} "
-                         "(or torch.mean, torch.sum, torch.max, torch.min)")
+        raise ValueError(
+            f"self.log({name!r}): reduce_fx={reduce_fx!r}; choose one of {list(REDUCE_FX)} "
+            "(or torch.mean, torch.sum, torch.max, torch.min)"
+        )
     return fx
 
 
@@ -116,8 +118,10 @@ class MetricCollector:
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log: name must be a non-empty string, got {name!r}")
         if sync_dist and rank_zero_only:
-            raise ValueError(f"self.log({name!r}): sync_dist=True and rank_zero_only=True contradict each other: a "
-                             "value logged on rank 0 only cannot be synchronised across ranks")
+            raise ValueError(
+                f"self.log({name!r}): sync_dist=True and rank_zero_only=True contradict each other: a "
+                "value logged on rank 0 only cannot be synchronised across ranks"
+            )
         fx = reduce_fx_name(name, reduce_fx)
         on_step, on_epoch = self._when(name, on_step, on_epoch)
         if is_metric(value):  # synced by itself in compute(): sync_dist adds nothing
@@ -128,8 +132,9 @@ class MetricCollector:
         value = self._as_scalar(name, value)
         weight = float(self._check_batch_size(name, batch_size))
         if on_step:
-            self._log_step(name, self._across_ranks(value, weight, fx) if sync_dist else value, prog_bar, logger,
-                           on_epoch)
+            self._log_step(
+                name, self._across_ranks(value, weight, fx) if sync_dist else value, prog_bar, logger, on_epoch
+            )
         if on_epoch:
             values = self._epoch.setdefault(self.stage, {})
             entry = values.setdefault(name, _EpochValue(fx, torch.tensor(_START[fx], dtype=torch.float64)))
@@ -143,8 +148,10 @@ class MetricCollector:
         on_step = per_step if on_step is None else on_step
         on_epoch = (not per_step) if on_epoch is None else on_epoch
         if on_step and self.at_epoch_end:
-            raise ValueError(f"self.log({name!r}, on_step=True) in an epoch-end hook: there is no step there; log "
-                             "it per epoch (on_epoch=True, the default there)")
+            raise ValueError(
+                f"self.log({name!r}, on_step=True) in an epoch-end hook: there is no step there; log "
+                "it per epoch (on_epoch=True, the default there)"
+            )
         if not on_step and not on_epoch:
             raise ValueError(f"self.log({name!r}): on_step and on_epoch are both False, so nothing would be logged")
         return on_step, on_epoch
@@ -174,9 +181,7 @@ class MetricCollector:
     def _as_scalar(name: str, value: Any) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(
-                    f"self.log({name!r}): expected a scalar, got a tensor of shape {tuple(value.shape)}"
-                )
+                raise ValueError(f"self.log({name!r}): expected a scalar, got a tensor of shape {tuple(value.shape)}")
             return value.detach().reshape(()).float()
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return torch.tensor(float(value))
@@ -242,8 +247,10 @@ class MetricCollector:
             else:
                 totals_r, weights_r = self.reduce(totals, op).tolist(), self.reduce(weights, "sum").tolist()
             sums.update({n: (totals_r[i], weights_r[i]) for i, n in enumerate(synced)})
-        return {n: (torch.tensor(values[n].result(*(float(x) for x in sums[n]))), values[n].prog_bar,
-                    values[n].to_logger) for n in names}
+        return {
+            n: (torch.tensor(values[n].result(*(float(x) for x in sums[n]))), values[n].prog_bar, values[n].to_logger)
+            for n in names
+        }
 
     def forget_published(self) -> None:
         """Drop what was published (after the sanity check, whose values are not the run's)."""

@@ -93,14 +93,31 @@ def from_slurm(devices: int, num_nodes: int) -> ClusterEnvironment | None:
         return None
     placed = slurm.place(task, devices, num_nodes)
     if placed.local_ranks > 1:
-        return launch_local_ranks(placed.local_ranks, node_rank=placed.node, num_nodes=num_nodes,
-                                  master_addr=placed.master_addr, master_port=placed.master_port)
-    return ClusterEnvironment(placed.first_rank, placed.local_rank, placed.world_size, devices, placed.node,
-                              placed.master_addr, placed.master_port)
+        return launch_local_ranks(
+            placed.local_ranks,
+            node_rank=placed.node,
+            num_nodes=num_nodes,
+            master_addr=placed.master_addr,
+            master_port=placed.master_port,
+        )
+    return ClusterEnvironment(
+        placed.first_rank,
+        placed.local_rank,
+        placed.world_size,
+        devices,
+        placed.node,
+        placed.master_addr,
+        placed.master_port,
+    )
 
 
-def launch_local_ranks(num_ranks: int, node_rank: int = 0, num_nodes: int = 1, master_addr: str = "127.0.0.1",
-                       master_port: int | None = None) -> ClusterEnvironment:
+def launch_local_ranks(
+    num_ranks: int,
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> ClusterEnvironment:
     """Start this node's ranks 1..num_ranks-1 by re-running this command; return local rank 0's environment. The
     node is `node_rank` of `num_nodes` of `num_ranks` ranks each (one node, unless a SLURM task per node starts its
     node's ranks), meeting at `master_addr`:`master_port` (a free port here when not given).
@@ -118,8 +135,9 @@ def launch_local_ranks(num_ranks: int, node_rank: int = 0, num_nodes: int = 1, m
         raise RuntimeError("starting ranks would re-run pytest: send the test body to the rank pool instead")
     port = master_port or _free_port()
     first, world_size = node_rank * num_ranks, num_ranks * num_nodes
-    envs = [ClusterEnvironment(first + r, r, world_size, num_ranks, node_rank, master_addr, port)
-            for r in range(num_ranks)]
+    envs = [
+        ClusterEnvironment(first + r, r, world_size, num_ranks, node_rank, master_addr, port) for r in range(num_ranks)
+    ]
     os.environ.update(envs[0].to_environ())
     if "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, _cpu_count() // num_ranks)

@@ -74,8 +74,10 @@ def place(task: SlurmTask, devices: int, num_nodes: int) -> Placement:
     """Where this task's ranks go for `devices` ranks on each of `num_nodes` nodes (see the module docstring)."""
     world_size = devices * num_nodes
     if task.nodes != num_nodes:
-        raise ValueError(f"num_nodes={num_nodes}, but srun started this job on {task.nodes} node(s) "
-                         f"(SLURM_NNODES); set num_nodes={task.nodes} or srun --nodes={num_nodes}")
+        raise ValueError(
+            f"num_nodes={num_nodes}, but srun started this job on {task.nodes} node(s) "
+            f"(SLURM_NNODES); set num_nodes={task.nodes} or srun --nodes={num_nodes}"
+        )
     if task.tasks == world_size and task.tasks_per_node in (None, devices):  # one task per device
         return Placement(task.task, task.local_task, 1, world_size, task.node, task.master_addr, task.master_port)
     if task.tasks == num_nodes and devices > 1:  # one task per node: it starts its node's ranks
@@ -84,16 +86,19 @@ def place(task: SlurmTask, devices: int, num_nodes: int) -> Placement:
     raise ValueError(
         f"srun started SLURM_NTASKS={task.tasks} task(s){per_node}, which does not fit devices={devices} x "
         f"num_nodes={num_nodes}: run one task per device (srun --nodes={num_nodes} --ntasks-per-node={devices}) "
-        f"or one per node (srun --nodes={num_nodes} --ntasks-per-node=1), or change devices / num_nodes")
+        f"or one per node (srun --nodes={num_nodes} --ntasks-per-node=1), or change devices / num_nodes"
+    )
 
 
 def warn_if_srun_unused(ranks: int) -> None:
     """As Lightning: on a SLURM cluster (srun exists) a job of several ranks started without srun is probably a
     mistake (the ranks then run on the node of the batch script only)."""
     if ranks > 1 and shutil.which("srun") is not None:
-        warnings.warn(f"this job of {ranks} ranks was not started with srun although srun is available: the Trainer "
-                      "starts the ranks on this machine only. On SLURM, prepend srun: srun python script.py",
-                      stacklevel=3)
+        warnings.warn(
+            f"this job of {ranks} ranks was not started with srun although srun is available: the Trainer "
+            "starts the ranks on this machine only. On SLURM, prepend srun: srun python script.py",
+            stacklevel=3,
+        )
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

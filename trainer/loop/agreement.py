@@ -41,13 +41,20 @@ def count_across_ranks(strategy: Any, flags: tuple[bool | torch.Tensor, ...]) ->
     except RuntimeError as error:  # a collective's failure (gloo: RuntimeError; nccl: DistError): say which
         if type(error) is not RuntimeError and not isinstance(error, dist.DistError):
             raise
-        raise type(error)(f"all-reduce of the ranks' agreement after training_step (skipped batch, non-finite "
-                          f"loss, stop signal, last batch, max_time): {error}") from error
+        raise type(error)(
+            f"all-reduce of the ranks' agreement after training_step (skipped batch, non-finite "
+            f"loss, stop signal, last batch, max_time): {error}"
+        ) from error
     return [total // base**i % base for i in range(len(flags))]
 
 
 def agree(
-    strategy: Any, loss: torch.Tensor | None, check_loss: bool, stop: bool, has_next: bool, where: str,
+    strategy: Any,
+    loss: torch.Tensor | None,
+    check_loss: bool,
+    stop: bool,
+    has_next: bool,
+    where: str,
     out_of_time: bool = False,
 ) -> Agreement:
     skip = loss is None

@@ -65,8 +65,10 @@ class StepRunner:
         while not self._finished():
             self.train_epoch()
         if self.batch.out_of_time and t.is_global_zero:
-            print(f"[trainer] max_time={t.max_time} reached: every rank stopped after global step {t.global_step}",
-                  flush=True)
+            print(
+                f"[trainer] max_time={t.max_time} reached: every rank stopped after global step {t.global_step}",
+                flush=True,
+            )
         if self.strategy.reduce_boolean_decision(t.signal_watch.received is not None, all=False):
             raise self._preempt()  # the signal came after the last step (in the last validation, say)
         t._call("on_train_end")

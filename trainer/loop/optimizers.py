@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 
 INTERVALS = ("epoch", "step")
 SCHEDULER_KEYS = {"scheduler", "interval", "frequency", "monitor", "strict", "name", "reduce_on_plateau"}
-FORMS = ("an optimizer, a list of optimizers, ([optimizers], [schedulers]), a dict {'optimizer': ..., "
-         "'lr_scheduler': ...} or a list of such dicts")
+FORMS = (
+    "an optimizer, a list of optimizers, ([optimizers], [schedulers]), a dict {'optimizer': ..., "
+    "'lr_scheduler': ...} or a list of such dicts"
+)
 
 
 @dataclass
@@ -47,8 +49,10 @@ def _scheduler_config(value: Any, optimizer_index: int, monitor: str | None) -> 
     given = dict(value) if isinstance(value, dict) else {"scheduler": value}
     unknown = set(given) - SCHEDULER_KEYS
     if "scheduler" not in given or unknown:
-        raise ValueError(f"configure_optimizers: a lr_scheduler dict needs 'scheduler' and may have "
-                         f"{sorted(SCHEDULER_KEYS - {'scheduler'})}; got keys {sorted(given)}")
+        raise ValueError(
+            f"configure_optimizers: a lr_scheduler dict needs 'scheduler' and may have "
+            f"{sorted(SCHEDULER_KEYS - {'scheduler'})}; got keys {sorted(given)}"
+        )
     given.pop("reduce_on_plateau", None)
     config = SchedulerConfig(optimizer_index=optimizer_index, **{"monitor": monitor, **given})
     if config.interval not in INTERVALS:
@@ -58,8 +62,10 @@ def _scheduler_config(value: Any, optimizer_index: int, monitor: str | None) -> 
     if not callable(getattr(config.scheduler, "step", None)):
         raise TypeError(f"configure_optimizers: {config.scheduler!r} is not a learning-rate scheduler")
     if config.reduce_on_plateau and config.monitor is None:
-        raise ValueError("configure_optimizers: ReduceLROnPlateau needs a metric to follow: return "
-                         "{'optimizer': opt, 'lr_scheduler': {'scheduler': sched, 'monitor': 'val/loss'}}")
+        raise ValueError(
+            "configure_optimizers: ReduceLROnPlateau needs a metric to follow: return "
+            "{'optimizer': opt, 'lr_scheduler': {'scheduler': sched, 'monitor': 'val/loss'}}"
+        )
     return config
 
 
@@ -68,8 +74,10 @@ def _from_dict(value: dict, index: int) -> tuple[torch.optim.Optimizer, list[Sch
         raise TypeError(f"configure_optimizers: a dict needs an 'optimizer'; got keys {sorted(value)}")
     unknown = set(value) - {"optimizer", "lr_scheduler", "monitor"}
     if unknown:
-        raise ValueError(f"configure_optimizers: unknown keys {sorted(unknown)}; a dict may have 'optimizer', "
-                         "'lr_scheduler' and 'monitor'")
+        raise ValueError(
+            f"configure_optimizers: unknown keys {sorted(unknown)}; a dict may have 'optimizer', "
+            "'lr_scheduler' and 'monitor'"
+        )
     scheduler = value.get("lr_scheduler")
     configs = [_scheduler_config(scheduler, index, value.get("monitor"))] if scheduler is not None else []
     return value["optimizer"], configs
@@ -144,8 +152,10 @@ def step_schedulers(trainer: Trainer, interval: str, count: int) -> None:
         value = trainer.callback_metrics.get(config.monitor)
         if value is None:
             if config.strict:
-                raise ValueError(f"ReduceLROnPlateau follows {config.monitor!r}, which was not logged; logged: "
-                                 f"{sorted(trainer.callback_metrics)} (or set 'strict': False to skip)")
+                raise ValueError(
+                    f"ReduceLROnPlateau follows {config.monitor!r}, which was not logged; logged: "
+                    f"{sorted(trainer.callback_metrics)} (or set 'strict': False to skip)"
+                )
             continue
         config.scheduler.step(float(value))
 
@@ -154,8 +164,10 @@ def manual_optimization(trainer: Trainer) -> None:
     """training_step steps the optimizers itself (self.automatic_optimization = False): each optimizer.step()
     runs the on_before_optimizer_step hooks first and counts one global step after, as Lightning does."""
     if trainer.precision.scaler is not None:
-        raise ValueError("manual optimization with precision='16-mixed' is not supported (its loss scaler must "
-                         "unscale and may skip steps); use 'bf16-mixed', or automatic optimization")
+        raise ValueError(
+            "manual optimization with precision='16-mixed' is not supported (its loss scaler must "
+            "unscale and may skip steps); use 'bf16-mixed', or automatic optimization"
+        )
 
     def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         trainer.timer.push("optimizer")

@@ -17,8 +17,10 @@ _ALIASES = {"32-true": "32", 32: "32", "16": "16-mixed", 16: "16-mixed", "bf16":
 def check_precision(precision: Any) -> str:
     precision = _ALIASES.get(precision, precision)
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not supported; choose one of {list(PRECISIONS)} (or "
-                         f"Lightning's names {[k for k in _ALIASES if isinstance(k, str)]})")
+        raise ValueError(
+            f"precision={precision!r} is not supported; choose one of {list(PRECISIONS)} (or "
+            f"Lightning's names {[k for k in _ALIASES if isinstance(k, str)]})"
+        )
     return precision
 
 
@@ -40,7 +42,7 @@ class Precision:
         return module.to(dtype) if dtype is not None else module
 
     def convert_input(self, batch: Any) -> Any:
-        """"bf16-true", "16-true": the batch's floating-point tensors in the weights' dtype (integer ones, such as
+        """ "bf16-true", "16-true": the batch's floating-point tensors in the weights' dtype (integer ones, such as
         token ids and labels, stay as they are), like Lightning's precision plugins do."""
         dtype = TRUE_DTYPES.get(self.precision)
         return tree_map(lambda value: _to(value, dtype), batch) if dtype is not None else batch

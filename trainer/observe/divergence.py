@@ -75,8 +75,10 @@ class DivergenceCheck(observe.Watcher):
         """Every rank's check on the default process group, under keys of a run rank 0 draws. Collective."""
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not host or not port:
-            raise ValueError("detect_divergence needs MASTER_ADDR and MASTER_PORT (torchrun and the Trainer's "
-                             "launcher set them) to reach the store the process group was made with")
+            raise ValueError(
+                "detect_divergence needs MASTER_ADDR and MASTER_PORT (torchrun and the Trainer's "
+                "launcher set them) to reach the store the process group was made with"
+            )
         box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
@@ -145,8 +147,9 @@ class DivergenceCheck(observe.Watcher):
         states = [json.loads(v) for v in self.store.multi_get([f"s/{r}" for r in range(self.world_size)])]
         for rank, state in enumerate(states):
             if state[0] == "failed":
-                raise DivergenceError(f"rank {rank} failed, so rank {self.rank} stops waiting in {_say(entry)}: "
-                                      f"{state[1]}")
+                raise DivergenceError(
+                    f"rank {rank} failed, so rank {self.rank} stops waiting in {_say(entry)}: {state[1]}"
+                )
         if not all(s[0] == "waiting" for s in states) or any(self._can_go_on(s) for s in states):
             return None
         if stuck is None or stuck[1] != states:
@@ -161,8 +164,10 @@ class DivergenceCheck(observe.Watcher):
 
     def _timed_out(self, ranks: list[int], keys: list[str], entry: list[Any], waited: float) -> str:
         missing = [r for r, key in zip(ranks, keys) if self._published([key], entry[0]) is None]
-        return (f"rank {self.rank} waited {waited:.0f} s (the timeout) in {_say(entry)} for rank(s) {missing}, "
-                "which have not made it (detect_divergence)")
+        return (
+            f"rank {self.rank} waited {waited:.0f} s (the timeout) in {_say(entry)} for rank(s) {missing}, "
+            "which have not made it (detect_divergence)"
+        )
 
 
 # ---- messages -----------------------------------------------------------------------------------------
@@ -174,15 +179,17 @@ def _say(entry: list[Any]) -> str:
 
 def _different(channel: str, entries: dict[int, list[Any]]) -> str:
     order = "in their group's own order" if channel.endswith(":ordered") else f"among their {channel.split(':')[1]}s"
-    lines = [f"ranks are about to make different collectives (detect_divergence), number {entries[min(entries)][0]} "
-             f"{order}:"]
+    lines = [
+        f"ranks are about to make different collectives (detect_divergence), number {entries[min(entries)][0]} {order}:"
+    ]
     lines += [f"  rank {rank}: {_say(entry)}; {entry[5]}" for rank, entry in sorted(entries.items())]
     return "\n".join(lines)
 
 
 def _stuck(states: list[list[Any]]) -> str:
-    lines = ["ranks are out of step (detect_divergence): every rank waits in a collective that another rank is not "
-             "making"]
+    lines = [
+        "ranks are out of step (detect_divergence): every rank waits in a collective that another rank is not making"
+    ]
     lines += [f"  rank {rank}: waits in {_say(state[4])}; {state[4][5]}" for rank, state in enumerate(states)]
     return "\n".join(lines)
 

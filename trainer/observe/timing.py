@@ -27,8 +27,12 @@ import torch
 
 from strategies import observe
 
-RANGE_NAMES = {"forward": "training_step", "backward": "backward", "optimizer": "optimizer_step",
-               "validation": "validation"}
+RANGE_NAMES = {
+    "forward": "training_step",
+    "backward": "backward",
+    "optimizer": "optimizer_step",
+    "validation": "validation",
+}
 STEP_PHASES = ("forward", "backward", "optimizer")
 
 
@@ -132,6 +136,9 @@ class StepTimer(observe.Watcher):
 
     def summary(self) -> dict[str, Any]:
         """Totals over the fit, as plain values (gathered from every rank for the profiler's table)."""
-        return {"seconds": time.perf_counter() - self._started, "steps": self.steps,
-                "phases": {name: (self.calls[name], self.totals[name]) for name in self.totals},
-                "comm": {(kind, observe.where(unit)): tuple(value) for (kind, unit), value in self.comm.items()}}
+        return {
+            "seconds": time.perf_counter() - self._started,
+            "steps": self.steps,
+            "phases": {name: (self.calls[name], self.totals[name]) for name in self.totals},
+            "comm": {(kind, observe.where(unit)): tuple(value) for (kind, unit), value in self.comm.items()},
+        }

@@ -60,9 +60,17 @@ class PyTorchProfiler(Profiler):
         ValueError: for `emit_nvtx=True` (run under nsys instead).
     """
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 group_by_input_shapes: bool = False, export_to_chrome: bool = True, row_limit: int = 20,
-                 sort_by_key: str | None = None, record_module_names: bool = True, **profiler_kwargs: Any) -> None:
+    def __init__(
+        self,
+        dirpath: str | os.PathLike | None = None,
+        filename: str | None = None,
+        group_by_input_shapes: bool = False,
+        export_to_chrome: bool = True,
+        row_limit: int = 20,
+        sort_by_key: str | None = None,
+        record_module_names: bool = True,
+        **profiler_kwargs: Any,
+    ) -> None:
         super().__init__(dirpath, filename)
         if profiler_kwargs.pop("emit_nvtx", False):
             raise ValueError("PyTorchProfiler(emit_nvtx=True) is not supported; run under nsys with the default")

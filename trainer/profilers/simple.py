@@ -12,8 +12,13 @@ from .base import Profiler
 if TYPE_CHECKING:
     from ..trainer import Trainer
 
-PHASE_ROWS = (("optimizer step (wall)", "step"), ("  forward (training_step)", "forward"),
-              ("  backward", "backward"), ("  optimizer", "optimizer"), ("validation", "validation"))
+PHASE_ROWS = (
+    ("optimizer step (wall)", "step"),
+    ("  forward (training_step)", "forward"),
+    ("  backward", "backward"),
+    ("  optimizer", "optimizer"),
+    ("validation", "validation"),
+)
 HEADER = ("Action", "Calls", "Mean (ms)", "Total (s)", "% of fit", "slowest rank: mean (ms)")
 
 
@@ -30,8 +35,9 @@ class SimpleProfiler(Profiler):
         extended: a row per unit under each collective kind (Lightning's argument: more detail).
     """
 
-    def __init__(self, dirpath: str | os.PathLike | None = None, filename: str | None = None,
-                 extended: bool = True) -> None:
+    def __init__(
+        self, dirpath: str | os.PathLike | None = None, filename: str | None = None, extended: bool = True
+    ) -> None:
         super().__init__(dirpath, filename)
         self.extended = extended
 
@@ -44,18 +50,24 @@ class SimpleProfiler(Profiler):
 def report(summaries: list[dict[str, Any]], rank: int = 0, extended: bool = True) -> str:
     """The table for this rank's figures (`summaries` by rank)."""
     ours = summaries[rank]
-    rows = [_row(label, summaries, rank, lambda s, key=key: s["phases"].get(key, (0, 0.0)))
-            for label, key in PHASE_ROWS if key in ours["phases"]]
+    rows = [
+        _row(label, summaries, rank, lambda s, key=key: s["phases"].get(key, (0, 0.0)))
+        for label, key in PHASE_ROWS
+        if key in ours["phases"]
+    ]
     comm_rows = []
     for kind in sorted({kind for kind, _ in ours["comm"]}):
         keys = sorted(where for k, where in ours["comm"] if k == kind) if extended else []
         for part, index in (("in flight", 1), ("exposed", 2)):
             comm_rows.append(_row(f"{kind}, {part}", summaries, rank, lambda s, k=kind, i=index: _total(s, k, i)))
             for where in keys:
-                comm_rows.append(_row(f"  {where}", summaries, rank,
-                                      lambda s, k=(kind, where), i=index: _entry(s, k, i)))
-    title = (f"Profiler report: fit on rank {rank} of {len(summaries)}, {ours['steps']} optimizer steps in "
-             f"{ours['seconds']:.2f} s (host time; a phase includes the exposed communication inside it)")
+                comm_rows.append(
+                    _row(f"  {where}", summaries, rank, lambda s, k=(kind, where), i=index: _entry(s, k, i))
+                )
+    title = (
+        f"Profiler report: fit on rank {rank} of {len(summaries)}, {ours['steps']} optimizer steps in "
+        f"{ours['seconds']:.2f} s (host time; a phase includes the exposed communication inside it)"
+    )
     return _table(title, rows, comm_rows)
 
 
@@ -75,15 +87,24 @@ def _row(label: str, summaries: list[dict[str, Any]], rank: int, figures: Any) -
     slowest = max(range(len(summaries)), key=lambda r: figures(summaries[r])[1])
     slow_calls, slow_total = figures(summaries[slowest])
     share = 100 * total / summaries[rank]["seconds"] if summaries[rank]["seconds"] else 0.0
-    return (label, str(calls), f"{mean(calls, total):.3f}", f"{total:.4f}", f"{share:.1f}",
-            f"{mean(slow_calls, slow_total):.3f} (rank {slowest})")
+    return (
+        label,
+        str(calls),
+        f"{mean(calls, total):.3f}",
+        f"{total:.4f}",
+        f"{share:.1f}",
+        f"{mean(slow_calls, slow_total):.3f} (rank {slowest})",
+    )
 
 
 def _table(title: str, rows: list[tuple[str, ...]], comm_rows: list[tuple[str, ...]]) -> str:
     every = [HEADER, *rows, *comm_rows]
     widths = [max(len(row[i]) for row in every) for i in range(len(HEADER))]
-    line = lambda row: "| " + " | ".join(  # noqa: E731
-        cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))) + " |"
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = (cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        return "| " + " | ".join(cells) + " |"
+
     rule = "-" * len(line(HEADER))
     out = [title, rule, line(HEADER), rule, *map(line, rows)]
     if comm_rows:
