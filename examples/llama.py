@@ -6,7 +6,9 @@ It is here to be planned, at sizes this machine could never train:
         --precision bf16-mixed --device-memory 80GiB --wrap Block
 
 The factories build the model eagerly; the plan calls them on the meta device, so no memory is used. The module
-also trains (it is an ordinary nn.Module), though nothing in this project does so.
+also trains (it is an ordinary nn.Module). `tensor_parallel(model, mesh)` applies torchtitan's tensor-parallel plan
+to it (attention and feed-forward column- then row-wise, norms sequence-parallel), as a module does in
+`configure_model` under a strategy with `tensor_parallel_size` (docs/strategies.md, "Tensor parallel").
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 
 @dataclass
@@ -65,9 +76,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallel each rank computes its share of the heads
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = rotate(q, self.theta), rotate(k, self.theta)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
@@ -113,6 +125,52 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))
+
+
+def tensor_parallel(model: Llama, mesh: DeviceMesh) -> Llama:
+    """Split `model` over the ranks of `mesh` (a 1-D tensor-parallel mesh) with torch's tensor parallel, as
+    torchtitan splits Llama: in each block the query, key, value and the feed-forward's first projections column-wise
+    and the output projections row-wise, the norms and the activations between blocks sequence-parallel (split along
+    the sequence), the embedding row-wise and the output projection column-wise, its logits gathered whole.
+
+    The heads and the feed-forward width must divide by the mesh's size. Returns `model`, split in place.
+    """
+    size = mesh.size()
+    config = model.config
+    if config.n_kv_heads % size or config.hidden_dim % size:
+        raise ValueError(
+            f"tensor_parallel: n_kv_heads={config.n_kv_heads} and hidden_dim={config.hidden_dim} must divide by "
+            f"the tensor-parallel size {size}"
+        )
+    sequence = (Shard(1),)  # activations between blocks: split along the sequence
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.layers:
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    return model
 
 
 def llama_tiny() -> Llama:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 from torch.utils._pytree import tree_map
 
@@ -28,6 +29,15 @@ from .sharding.engine import engine_of
 from .sharding.meta_init import InitRecord
 from .sharding.state_dict import ModelShards, OptimizerShards
 from .step_trace import ALL_REDUCE, Collective, StepTrace, identity
+from .tensor_parallel import (
+    DATA_PARALLEL,
+    TENSOR_PARALLEL,
+    TensorParallelParameters,
+    check_tensor_parallel_size,
+    clip_grad_norm_across,
+    make_device_mesh,
+    resolve_tensor_parallel_size,
+)
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -67,9 +77,14 @@ class Strategy:
             itself if it defines `forward`, else each child of it that holds parameters), a set of module
             classes, or a callable `(module, name) -> bool`.
         compile_options: keyword arguments for `torch.compile` (e.g. `{"mode": "max-autotune"}`).
+        tensor_parallel_size: the ranks that split each layer with torch's tensor parallel, which the module
+            applies in `configure_model` on `self.device_mesh["tensor_parallel"]` (1: none; "auto": the GPUs of
+            one node). The strategy then shards the local pieces over the data-parallel ranks.
 
     Raises:
         TypeError: if `compile` is an int or not one of the forms above, or `compile_options` is not a dict.
+        ValueError: if `tensor_parallel_size` is not a positive int or "auto", or (when the ranks are known) does
+            not divide them.
     """
 
     name = "custom"
@@ -78,8 +93,13 @@ class Strategy:
     """Whether the Trainer seeds every generator again from `seed_everything`'s seed at the start of each stage, as
     Lightning's data-parallel strategies do when they set up the process group (its single-device one does not)."""
 
-    def __init__(self, compile: Any = None, compile_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, compile: Any = None, compile_options: dict[str, Any] | None = None, tensor_parallel_size: int | str = 1
+    ) -> None:
         self.engine: ShardingEngine | None = None
+        self.tensor_parallel_size = check_tensor_parallel_size(type(self).__name__, tensor_parallel_size)
+        self._device_mesh: DeviceMesh | None = None
+        self.tensor_parallel: TensorParallelParameters | None = None  # the model's DTensor parameters, held locally
         self._init_record: InitRecord | None = None  # of the last model built under model_init_context
         self.root_device = torch.device("cpu")
         self.world_size = 1
@@ -106,6 +126,29 @@ class Strategy:
         """
         self.root_device, self.world_size, self.global_rank = device, world_size, global_rank
         self._connected = True
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        self.tensor_parallel_size = resolve_tensor_parallel_size(self.tensor_parallel_size, world_size, ranks_per_node)
+        if self.tensor_parallel_size > 1:  # made now, on every rank together (it creates process groups)
+            self._device_mesh = make_device_mesh(device.type, world_size, self.tensor_parallel_size)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 2-D mesh of the ranks, dimensions "data_parallel" and "tensor_parallel" (as Lightning's
+        ModelParallelStrategy): in `configure_model`, apply torch's tensor parallel on
+        `device_mesh["tensor_parallel"]`. Made on first use when `tensor_parallel_size` is 1 (collective then)."""
+        if self._device_mesh is None:
+            self._device_mesh = make_device_mesh(self.root_device.type, self.world_size, self.tensor_parallel_size)
+        return self._device_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that split the data: the world size over `tensor_parallel_size`."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (the ranks of one tensor-parallel group share it)."""
+        return self.global_rank // self.tensor_parallel_size
 
     @property
     def is_global_zero(self) -> bool:
@@ -163,12 +206,14 @@ class Strategy:
             dist.all_gather_object(out, obj)
         return out
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean", data_parallel: bool = False) -> torch.Tensor:
         """Reduce a tensor across ranks. Collective.
 
         Args:
             tensor: this rank's tensor (left unchanged).
             op: `"mean"`, `"sum"`, `"max"` or `"min"`.
+            data_parallel: over the data-parallel ranks only, each tensor-parallel group counted once (its ranks
+                saw the same batch): what `self.log(..., sync_dist=True)` reduces over.
 
         Returns:
             A new tensor holding the result, on this rank's device.
@@ -182,9 +227,12 @@ class Strategy:
             return tensor.clone()
         self._note(Collective(ALL_REDUCE, (op, tuple(tensor.shape), str(tensor.dtype))))
         out = tensor.detach().clone().to(self.root_device)
+        group, size = None, self.world_size
+        if data_parallel and self.tensor_parallel_size > 1:
+            group, size = self.device_mesh[DATA_PARALLEL].get_group(), self.data_parallel_size
         with observe.collective("all_reduce", None, out.numel()):
-            dist.all_reduce(out, op=REDUCE_OPS[op])
-        return out / self.world_size if op == "mean" else out
+            dist.all_reduce(out, op=REDUCE_OPS[op], group=group)
+        return out / size if op == "mean" else out
 
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
         """Every rank's tensors in `data`, stacked along a new first dimension of size `world_size`. Collective.
@@ -284,9 +332,11 @@ class Strategy:
         # Meta tensors (from configure_model under an init context) stay put; the engine materializes them.
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         record, self._init_record = self._init_record, None
-        self.engine = ShardingEngine(
-            module, self.spec, device=self.root_device, init_record=record, **self.engine_options()
-        )
+        options = self.engine_options()
+        if self.tensor_parallel_size > 1:
+            self.tensor_parallel = TensorParallelParameters(module, self.device_mesh[TENSOR_PARALLEL])
+            options["group"] = self.device_mesh[DATA_PARALLEL].get_group()
+        self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record, **options)
         if self.compile is not None:
             compile_in_place(
                 modules_to_compile(module, self.compile, self._units_to_compile(module)), self.compile_options
@@ -359,7 +409,29 @@ class Strategy:
         if algorithm == "value":
             engine_gradients.clip_grad_value_(self.engine, max_norm, params)
             return None
+        if self.tensor_parallel is not None:
+            return self._clip_tensor_parallel(max_norm, params)
         return engine_gradients.clip_grad_norm_(self.engine, max_norm, params)
+
+    def _clip_tensor_parallel(self, max_norm: float, params: list[torch.Tensor] | None) -> torch.Tensor:
+        """The norm over the data- and tensor-parallel ranks: a piece that differs between the tensor-parallel
+        ranks counts on each, one they all hold counts once."""
+        named = [(n, p) for n, p in self.engine.module.named_parameters()]
+        wanted = None if params is None else {id(p) for p in params}
+        chosen = [(n, p) for n, p in named if wanted is None or id(p) in wanted]
+        split = self.tensor_parallel.sharded_names()
+        sharded = engine_gradients.gradient_tensors(self.engine, [p for n, p in chosen if n in split])
+        replicated = engine_gradients.gradient_tensors(self.engine, [p for n, p in chosen if n not in split])
+        engine = self.engine
+        return clip_grad_norm_across(
+            sharded,
+            replicated,
+            max_norm,
+            engine.groups.shard,
+            self.device_mesh[TENSOR_PARALLEL].get_group(),
+            engine.spec.shard_optimizer_state and engine.world_size > 1,
+            engine.device,
+        )
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
@@ -478,7 +550,12 @@ class Strategy:
             A dict of name to full tensor.
         """
         keep = self.is_global_zero or not rank_zero_only
-        return engine_state.full_state_dict(self.engine, keep=keep, trainable_only=trainable_only)
+        if self.tensor_parallel is None:
+            return engine_state.full_state_dict(self.engine, keep=keep, trainable_only=trainable_only)
+        local = engine_state.full_state_dict(self.engine, keep=True, trainable_only=trainable_only)
+        layouts = self.tensor_parallel.layouts  # pieces of the tensor-parallel ranks, put together on each
+        full = {k: self.tensor_parallel.full_tensor(k, v) if k in layouts else v for k, v in local.items()}
+        return full if keep else {}
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by kind (parameters, gradients, optimizer state, ...)."""

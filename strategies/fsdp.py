@@ -50,6 +50,9 @@ class FSDPStrategy(Strategy):
             `None` or `False` (none), `True` (every wrapped unit; the model itself without a wrap policy), a set of
             module classes, or a callable `(module, name) -> bool`.
         compile_options: keyword arguments for `torch.compile` (e.g. `{"mode": "max-autotune"}`).
+        tensor_parallel_size: the ranks that split each layer with torch's tensor parallel, which the module
+            applies in `configure_model` on `self.device_mesh["tensor_parallel"]` (1: none; "auto": the GPUs of
+            one node). The strategy then shards the local pieces over the data-parallel ranks.
 
     Raises:
         TypeError: if `auto_wrap_policy` or `activation_checkpointing` is not one of the forms above; if
@@ -79,8 +82,9 @@ class FSDPStrategy(Strategy):
         hybrid_shard: int | str | None = None,
         compile: Any = None,
         compile_options: dict[str, Any] | None = None,
+        tensor_parallel_size: int | str = 1,
     ) -> None:
-        super().__init__(compile, compile_options)
+        super().__init__(compile, compile_options, tensor_parallel_size)
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
         self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing, "activation_checkpointing")
@@ -100,7 +104,11 @@ class FSDPStrategy(Strategy):
     def model_init_context(self) -> Iterator[None]:
         """The context `configure_model` runs under: the model is built on the meta device, recording how each
         tensor is made, so no memory is used until each rank materializes its shards, unit by unit, with exactly
-        the values the eager construction makes."""
+        the values the eager construction makes. Under tensor parallel the model is built eagerly: torch's
+        `parallelize_module` then keeps each rank's piece of every layer it splits."""
+        if self.tensor_parallel_size > 1:
+            yield
+            return
         with deferred_init() as record:
             self._init_record = record
             yield
@@ -111,7 +119,7 @@ class FSDPStrategy(Strategy):
             "wrap_policy": self.auto_wrap_policy,
             "reshard_after_forward": self.reshard_after_forward,
             "unit_options": options,
-            "shard_group_size": shard_group_size(self.hybrid_shard, self.world_size),
+            "shard_group_size": shard_group_size(self.hybrid_shard, self.data_parallel_size),
             "forward_context": self._offload_activations if self.activation_offload else None,
         }
 

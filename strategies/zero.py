@@ -27,6 +27,9 @@ class ZeroStrategy(Strategy):
             `None` or `False` (none), `True` (the model itself if it defines `forward`, else each child of it that
             holds parameters), a set of module classes, or a callable `(module, name) -> bool`.
         compile_options: keyword arguments for `torch.compile` (e.g. `{"mode": "max-autotune"}`).
+        tensor_parallel_size: the ranks that split each layer with torch's tensor parallel, which the module
+            applies in `configure_model` on `self.device_mesh["tensor_parallel"]` (1: none; "auto": the GPUs of
+            one node). The strategy then shards the local pieces over the data-parallel ranks.
 
     Raises:
         ValueError: if `stage` is not 1 or 2, or `hybrid_shard` is not one of the forms above.
@@ -41,10 +44,11 @@ class ZeroStrategy(Strategy):
         hybrid_shard: int | str | None = None,
         compile: Any = None,
         compile_options: dict[str, Any] | None = None,
+        tensor_parallel_size: int | str = 1,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroStrategy: stage={stage!r}; choose 1 or 2 (use FSDPStrategy for stage 3)")
-        super().__init__(compile, compile_options)
+        super().__init__(compile, compile_options, tensor_parallel_size)
         self.stage = stage
         self.spec = ZERO1 if stage == 1 else ZERO2
         self.name = f"zero{stage}"
@@ -53,7 +57,10 @@ class ZeroStrategy(Strategy):
 
     def engine_options(self) -> dict[str, Any]:
         options = UnitOptions(self.mixed_precision.param_dtype, self.mixed_precision.reduce_dtype)
-        return {"unit_options": options, "shard_group_size": shard_group_size(self.hybrid_shard, self.world_size)}
+        return {
+            "unit_options": options,
+            "shard_group_size": shard_group_size(self.hybrid_shard, self.data_parallel_size),
+        }
 
     def __repr__(self) -> str:
         return f"ZeroStrategy(stage={self.stage}, mixed_precision={self.mixed_precision})"

@@ -85,6 +85,13 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         """This process's rank on its node (0 without a Trainer)."""
         return self.trainer.local_rank if self._trainer else 0
 
+    @property
+    def device_mesh(self) -> Any:
+        """The strategy's 2-D mesh of the ranks, dimensions "data_parallel" and "tensor_parallel" (as in
+        Lightning's ModelParallelStrategy): in `configure_model`, apply torch's tensor parallel on
+        `self.device_mesh["tensor_parallel"]`. See docs/strategies.md, "Tensor parallel"."""
+        return self.trainer.strategy.device_mesh
+
     @classmethod
     def load_from_checkpoint(
         cls, checkpoint_path: str | os.PathLike, strict: bool = True, trust_pickled: bool = False, **overrides: Any

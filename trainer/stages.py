@@ -63,7 +63,10 @@ def stage_loader(
     if not trainer.use_distributed_sampler:
         return loader  # as given: the user splits the data across ranks
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-    return distributed_loader(loader, trainer.world_size, trainer.global_rank, seed, argument, evaluation)
+    strategy = trainer.strategy  # the ranks of one tensor-parallel group read the same batches
+    return distributed_loader(
+        loader, strategy.data_parallel_size, strategy.data_parallel_rank, seed, argument, evaluation
+    )
 
 
 @contextmanager

@@ -264,7 +264,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.state = TrainerState()
         self.metrics = MetricCollector(
-            reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op),
+            reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op, data_parallel=True),
             gather=lambda obj: self.strategy.all_gather_object(obj),
         )
         self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation/steps.py)

@@ -67,7 +67,7 @@ def accumulation_for(global_batch_size: int, batch_size: int | None, ranks: int)
 def layout_of(trainer: Any, loader: Any) -> DataLayout:
     """The layout `trainer` trains `loader` with, its accumulation derived from `global_batch_size` if given."""
     batch_size = getattr(loader, "batch_size", None)
-    ranks = trainer.world_size
+    ranks = trainer.strategy.data_parallel_size
     accumulate = trainer.accumulate_grad_batches
     if trainer.global_batch_size is not None:
         accumulate = accumulation_for(trainer.global_batch_size, batch_size, ranks)

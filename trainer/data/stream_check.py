@@ -45,7 +45,8 @@ def warn_if_unsplit(strategy: Any, loader: Any, batch: Any) -> None:
     if not strategy.distributed or split_by_the_trainer(loader):
         return
     digests = strategy.all_gather_object(batch_digest(batch))
-    if strategy.is_global_zero and len(set(digests)) == 1:
+    per_data_rank = digests[:: strategy.tensor_parallel_size]  # a tensor-parallel group reads one batch
+    if strategy.is_global_zero and strategy.data_parallel_size > 1 and len(set(per_data_rank)) == 1:
         warnings.warn(
             f"every one of the {strategy.world_size} ranks got the same first training batch: the training data "
             "is not split by rank, so each rank trains on a copy of the same data. Split the stream by rank: "

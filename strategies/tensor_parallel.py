@@ -1,0 +1,190 @@
+"""Tensor parallel under every strategy, on torch's DTensor.
+
+The module applies torch's own tensor parallel in `configure_model` (`parallelize_module` with `ColwiseParallel`,
+`RowwiseParallel`, ... on `device_mesh["tensor_parallel"]`): its parameters become DTensors, each rank holding a
+local piece. Before the engine sets the module up, every DTensor parameter is replaced by a plain parameter holding
+that local piece, and the module that owns it turns it back into a DTensor (`DTensor.from_local`, which is
+differentiable) each time it computes. The engine then shards, gathers and reduces the local pieces over the
+data-parallel ranks only, as it does any parameter, while torch's DTensor does the tensor-parallel collectives
+inside the forward and backward passes. Names stay the model's; shapes are the local pieces'
+(`TensorParallelLayout` keeps each one's place in the full tensor).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
+
+
+def check_tensor_parallel_size(owner: str, value: Any) -> int | str:
+    """`tensor_parallel_size` as given, checked: a positive int or "auto"."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(
+        f"{owner}: tensor_parallel_size={value!r}; choose a positive int (the ranks that split each layer) "
+        'or "auto" (the GPUs of one node)'
+    )
+
+
+def resolve_tensor_parallel_size(value: int | str, world_size: int, ranks_per_node: int) -> int:
+    """The tensor-parallel size for `world_size` ranks: "auto" is the ranks of one node (as Lightning's
+    ModelParallelStrategy); it must divide the ranks."""
+    size = ranks_per_node if value == "auto" else value
+    if world_size % size:
+        raise ValueError(
+            f"tensor_parallel_size={value!r} ({size}) does not divide the {world_size} ranks (devices x num_nodes); "
+            f"choose one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
+    return size
+
+
+def make_device_mesh(device_type: str, world_size: int, tensor_parallel_size: int) -> DeviceMesh:
+    """The 2-D mesh ("data_parallel", "tensor_parallel"): ranks next to each other split a layer (on one node,
+    where the link is fastest), every `tensor_parallel_size`-th rank holds the same piece. Collective."""
+    shape = (world_size // tensor_parallel_size, tensor_parallel_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
+
+
+@dataclass(frozen=True)
+class TensorParallelLayout:
+    """Where a parameter's local piece lies in the full tensor."""
+
+    placements: tuple[Any, ...]
+    shape: torch.Size  # of the full tensor
+    stride: tuple[int, ...]
+    offsets: tuple[int, ...]  # of the local piece in the full tensor, per dimension
+    local_shape: torch.Size
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every tensor-parallel rank holds the whole tensor."""
+        return not any(isinstance(p, Shard) for p in self.placements)
+
+
+class TensorParallelParameters:
+    """The DTensor parameters of a module, held as plain local parameters (see the module docstring).
+
+    Args:
+        module: the model after `configure_model` applied tensor parallel.
+        mesh: the strategy's tensor-parallel mesh: every DTensor parameter must be on it.
+        hook: where the DTensors were made, for the error that finds none.
+
+    Raises:
+        ValueError: if no parameter is a DTensor, or one is on another mesh.
+    """
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, hook: str = "configure_model") -> None:
+        self.mesh = mesh
+        self.layouts: dict[str, TensorParallelLayout] = {}  # by parameter name
+        self._by_module: dict[nn.Module, dict[str, TensorParallelLayout]] = {}
+        for module_name, owner in module.named_modules():
+            for name, param in list(owner._parameters.items()):
+                if isinstance(param, DTensor):
+                    full_name = f"{module_name}.{name}" if module_name else name
+                    layout = self._local(owner, name, param, full_name)
+                    self.layouts[full_name] = layout
+                    self._by_module.setdefault(owner, {})[name] = layout
+        if not self.layouts:
+            raise ValueError(
+                f"tensor_parallel_size={mesh.size()}: no parameter is a DTensor after {hook}. Apply torch's tensor "
+                "parallel there, e.g. parallelize_module(self.model, self.device_mesh['tensor_parallel'], "
+                "{'attention.wq': ColwiseParallel(), ...}), or use tensor_parallel_size=1"
+            )
+        self._hooks = [h for owner in self._by_module for h in self._install(owner)]
+
+    def _local(self, owner: nn.Module, name: str, param: DTensor, full_name: str) -> TensorParallelLayout:
+        if param.device_mesh != self.mesh:
+            raise ValueError(
+                f"parameter {full_name!r} is a DTensor on the mesh {param.device_mesh}, not on the strategy's "
+                f"tensor-parallel mesh {self.mesh}: apply tensor parallel on self.device_mesh['tensor_parallel']"
+            )
+        local = param.to_local()
+        layout = TensorParallelLayout(
+            tuple(param.placements),
+            param.shape,
+            tuple(param.stride()),
+            _offsets(param.shape, local.shape, param.placements, self.mesh),
+            local.shape,
+        )
+        owner._parameters[name] = nn.Parameter(local.detach(), requires_grad=param.requires_grad)
+        return layout
+
+    def _install(self, owner: nn.Module) -> list[Any]:
+        layouts = self._by_module[owner]
+
+        def as_dtensors(module: nn.Module, args: Any) -> None:
+            for name, layout in layouts.items():  # shadows the plain parameter while the module computes
+                module.__dict__[name] = self.dtensor(module._parameters[name], layout)
+
+        def as_plain(module: nn.Module, args: Any, output: Any) -> Any:
+            for name in layouts:
+                module.__dict__.pop(name, None)
+            return output
+
+        return [owner.register_forward_pre_hook(as_dtensors), owner.register_forward_hook(as_plain)]
+
+    def dtensor(self, local: torch.Tensor, layout: TensorParallelLayout) -> DTensor:
+        """The local piece as a DTensor of the full shape (differentiable)."""
+        return DTensor.from_local(
+            local, self.mesh, layout.placements, run_check=False, shape=layout.shape, stride=layout.stride
+        )
+
+    def full_tensor(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of parameter `name` from this rank's (data-parallel gathered) local piece. Collective
+        over the tensor-parallel ranks."""
+        return self.dtensor(local, self.layouts[name]).full_tensor()
+
+    def sharded_names(self) -> set[str]:
+        """The parameters whose local pieces differ between the tensor-parallel ranks."""
+        return {name for name, layout in self.layouts.items() if not layout.replicated}
+
+
+def _offsets(shape: torch.Size, local_shape: torch.Size, placements: Any, mesh: DeviceMesh) -> tuple[int, ...]:
+    """The offset of this rank's piece in each dimension: Shard(d) splits dimension d as torch.chunk does."""
+    offsets = [0] * len(shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            dim, size = placement.dim, mesh.size(mesh_dim)
+            chunk = math.ceil(shape[dim] / size)
+            offsets[dim] += chunk * mesh.get_local_rank(mesh_dim)
+    return tuple(offsets)
+
+
+def clip_grad_norm_across(
+    grads_sharded: list[torch.Tensor],
+    grads_replicated: list[torch.Tensor],
+    max_norm: float,
+    data_parallel_group: Any,
+    tensor_parallel_group: Any,
+    sum_over_data_parallel: bool,
+    device: torch.device,
+) -> torch.Tensor:
+    """Scale the gradients so that their L2 norm over every rank is at most `max_norm`; return the norm before.
+    `grads_sharded` differ between the tensor-parallel ranks (their squares are summed over them), the others are
+    the same on each; with `sum_over_data_parallel` each data-parallel rank holds its own slice of them."""
+    squares = [
+        sum(
+            (torch.linalg.vector_norm(g).square().to(device, torch.float32) for g in grads),
+            torch.zeros((), device=device),
+        )
+        for grads in (grads_sharded, grads_replicated)
+    ]
+    both = torch.stack(squares)
+    if sum_over_data_parallel:
+        dist.all_reduce(both, group=data_parallel_group)
+    sharded = both[0].clone()
+    dist.all_reduce(sharded, group=tensor_parallel_group)
+    total = (sharded + both[1]).sqrt()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in [*grads_sharded, *grads_replicated]:
+        grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return total
