@@ -33,6 +33,7 @@ from .tensor_parallel import (
     DATA_PARALLEL,
     TENSOR_PARALLEL,
     TensorParallelParameters,
+    TensorParallelState,
     check_tensor_parallel_size,
     clip_grad_norm_across,
     make_device_mesh,
@@ -506,12 +507,14 @@ class Strategy:
     def model_state(self) -> ModelShards:
         """The set-up model's state as checkpoints read and write it (docs/architecture.md, "Checkpoints"): each
         rank's own pieces, by parameter name, loaded in place under any strategy and world size."""
-        return ModelShards(self.engine)
+        state = ModelShards(self.engine)
+        return state if self.tensor_parallel is None else TensorParallelState(state, self.tensor_parallel)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> OptimizerShards:
         """A set-up optimizer's state as checkpoints read and write it, keyed as torch's `get_state_dict` keys it
         (`group_names`: the parameter names of each group)."""
-        return OptimizerShards(self.engine, optimizer, group_names)
+        state = OptimizerShards(self.engine, optimizer, group_names)
+        return state if self.tensor_parallel is None else TensorParallelState(state, self.tensor_parallel)
 
     def master_pieces(self) -> list[engine_state.MasterPiece]:
         """This rank's pieces of the weights, nothing gathered: (name, shape, start, data, trainable), `data` a 1-D
@@ -519,6 +522,12 @@ class Strategy:
         precision. Under zero1, zero2, fsdp and hsdp they are the slices its optimizer steps; under ddp the
         slices of the replicated parameters it owns (and writes in checkpoints). Writing them writes the weights:
         write alike on every rank, then call `master_pieces_changed`."""
+        if self.tensor_parallel is not None:
+            raise ValueError(
+                "master_pieces (callbacks.EMA and other callbacks' sharded state) under tensor_parallel_size="
+                f"{self.tensor_parallel_size}: not supported yet (the pieces are the tensor-parallel ranks' local "
+                "ones); use tensor_parallel_size=1 with such callbacks"
+            )
         return engine_state.master_pieces(self.engine)
 
     def master_pieces_changed(self) -> None:

@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .sharding import FlatPieces
+
 DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
 
 
@@ -188,3 +190,109 @@ def clip_grad_norm_across(
     for grad in [*grads_sharded, *grads_replicated]:
         grad.mul_(coefficient.to(grad.device, grad.dtype))
     return total
+
+
+# ---- checkpoints: the local pieces in the full tensors' coordinates ----------------------------------------------
+class TensorParallelState:
+    """The engine's model or optimizer state (`ModelShards`, `OptimizerShards`) as checkpoints hold it under tensor
+    parallel: by the model's names, in the full tensors' shapes. Each rank's pieces of a split parameter are put
+    at their place in the full tensor; what every tensor-parallel rank holds alike (replicated parameters, buffers,
+    an optimizer's step) is written by the first of them and read by all. So a checkpoint written under one layout
+    loads under any other, with or without tensor parallel.
+
+    Args:
+        inner: the engine's owner of the state, in local coordinates.
+        parameters: the model's tensor-parallel parameters.
+    """
+
+    def __init__(self, inner: Any, parameters: TensorParallelParameters) -> None:
+        self.inner, self.layouts = inner, parameters.layouts
+        self.first = parameters.mesh.get_local_rank() == 0  # writes what the tensor-parallel ranks share
+
+    def __getattr__(self, name: str) -> Any:  # module, writes_pieces, aliases: the inner owner's
+        return getattr(self.inner, name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._full(self.inner.state_dict(), writing=True)
+
+    def load_targets(self, saved: dict[str, Any]) -> dict[str, Any]:
+        return self._full(self.inner.load_targets(self._local(saved)), writing=False)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        layouts = self.layouts
+        return {n: (layouts[n].shape if n in layouts else s, dtype) for n, (s, dtype) in self.inner.shapes().items()}
+
+    def _full(self, state: dict[str, Any], writing: bool) -> dict[str, Any]:
+        """Model entries (name -> value) or an optimizer's ({"state": {name: {key: value}}, ...}) in full
+        coordinates; when `writing`, without what another tensor-parallel rank writes."""
+        if "state" in state and isinstance(state["state"], dict):  # an optimizer's
+            entries = {name: self._entries(name, values, writing) for name, values in state["state"].items()}
+            return {**state, "state": {name: values for name, values in entries.items() if values}}
+        return self._entries(None, state, writing)
+
+    def _entries(self, name: str | None, values: dict[str, Any], writing: bool) -> dict[str, Any]:
+        out = {}
+        for key, value in values.items():
+            layout = self.layouts.get(key if name is None else name)
+            split = layout is not None and not layout.replicated
+            if isinstance(value, FlatPieces) and split:
+                out[key] = to_full_coordinates(value, layout)
+            elif self.first or not writing:  # the same on every tensor-parallel rank: written once
+                out[key] = value
+        return out
+
+    def _local(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """What the checkpoint holds, with each split parameter's element-wise optimizer state as meta tensors of
+        the local piece's shape (the engine installs state of its pieces' shapes)."""
+        if not isinstance(saved.get("state"), dict):
+            return saved
+        state = {}
+        for name, values in saved["state"].items():
+            layout = self.layouts.get(name)
+            if layout is None or layout.replicated:
+                state[name] = values
+                continue
+            state[name] = {
+                key: torch.empty(layout.local_shape, dtype=v.dtype, device="meta")
+                if isinstance(v, torch.Tensor) and v.shape == layout.shape
+                else v
+                for key, v in values.items()
+            }
+        return {**saved, "state": state}
+
+
+def to_full_coordinates(pieces: FlatPieces, layout: TensorParallelLayout) -> FlatPieces:
+    """The same slices, as flat ranges of the full tensor: a range of the local piece stays one range of the full
+    tensor as long as it does not cross the end of a row of the innermost split dimension."""
+    local_shape, shape = tuple(layout.local_shape), tuple(layout.shape)
+    whole = len(shape)
+    while whole > 0 and local_shape[whole - 1] == shape[whole - 1]:
+        whole -= 1  # dimensions whole..end are held whole
+    run = math.prod(local_shape[max(whole - 1, 0) :])  # elements contiguous in the full tensor too
+    out = []
+    for start, data in pieces.pieces:
+        position, end = start, start + data.numel()
+        while position < end:
+            stop = min(end, (position // run + 1) * run)
+            index = [i + o for i, o in zip(_unravel(position, local_shape), layout.offsets)]
+            out.append((_ravel(index, shape), data[position - start : stop - start]))
+            position = stop
+    return FlatPieces(layout.shape, pieces.dtype, out)
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    index = []
+    for size in reversed(shape):
+        flat, rest = divmod(flat, size)
+        index.append(rest)
+    return index[::-1]
+
+
+def _ravel(index: list[int], shape: tuple[int, ...]) -> int:
+    flat = 0
+    for i, size in zip(index, shape):
+        flat = flat * size + i
+    return flat

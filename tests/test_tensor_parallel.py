@@ -62,11 +62,19 @@ def make_strategy(name: str, tensor_parallel_size: int) -> nn.Module:
     return FSDPStrategy(auto_wrap_policy={type(Llama(CONFIG).layers[0])}, tensor_parallel_size=tensor_parallel_size)
 
 
-def fit(module: TrainModule, strategy, devices: int, batch_size: int, clip: float | None = 0.5) -> Trainer:
+def fit(
+    module: TrainModule,
+    strategy,
+    devices: int,
+    batch_size: int,
+    clip: float | None = 0.5,
+    steps: int = STEPS,
+    ckpt_path: str | None = None,
+) -> Trainer:
     trainer = Trainer(
         strategy=strategy,
         devices=devices,
-        max_steps=STEPS,
+        max_steps=steps,
         max_epochs=1,
         accumulate_grad_batches=ACCUMULATE,
         gradient_clip_val=clip,
@@ -75,8 +83,8 @@ def fit(module: TrainModule, strategy, devices: int, batch_size: int, clip: floa
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(tokens(), batch_size=batch_size, shuffle=False))
-    assert trainer.global_step == STEPS
+    trainer.fit(module, DataLoader(tokens(), batch_size=batch_size, shuffle=False), ckpt_path=ckpt_path)
+    assert trainer.global_step == steps
     return trainer
 
 
@@ -93,6 +101,20 @@ def body_fit(optimizer: str, tensor_parallel_size: int) -> dict[str, dict[str, t
     return out
 
 
+def body_save(name: str, tensor_parallel_size: int, path: str) -> dict[str, torch.Tensor]:
+    """Two steps, then a checkpoint; the full weights then."""
+    trainer = fit(TinyLlama(), make_strategy(name, tensor_parallel_size), 4, PER_RANK_BATCH, steps=2)
+    trainer.save_checkpoint(path)
+    return trainer.strategy.full_state_dict()
+
+
+def body_resume(name: str, tensor_parallel_size: int, path: str) -> dict[str, torch.Tensor]:
+    """From the checkpoint to the third step under another layout; the full weights then."""
+    devices = 2 * tensor_parallel_size  # two data-parallel ranks, as when it was written: the same batches
+    trainer = fit(TinyLlama(), make_strategy(name, tensor_parallel_size), devices, PER_RANK_BATCH, ckpt_path=path)
+    return trainer.strategy.full_state_dict()
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 
 
@@ -104,3 +126,82 @@ def test_dp2_x_tp2_gives_one_process_weights_under_every_strategy(rank_pool, opt
         got = results[0][name]
         assert max_relative_difference(got, want) <= TOLERANCE[optimizer], name
         assert all(torch.equal(got[k], results[3][name][k]) for k in got), name  # the same on every rank
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+
+class NotSplit(TinyLlama):
+    """Asks for tensor parallel and never applies it."""
+
+    def configure_model(self) -> None:
+        torch.manual_seed(0)
+        self.model = Llama(CONFIG)
+
+
+class OnItsOwnMesh(TinyLlama):
+    """Applies tensor parallel on a mesh of its own making, not the strategy's."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch.manual_seed(0)
+        self.model = Llama(CONFIG)
+        tensor_parallel(self.model, init_device_mesh("cpu", (2,)))
+
+
+def body_error(module_class: type) -> str:
+    try:
+        fit(module_class(), DDPStrategy(tensor_parallel_size=2), 2, PER_RANK_BATCH)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_tensor_parallel_size_must_be_a_positive_int_or_auto():
+    for value in (0, -2, 1.5, True, "all"):
+        with pytest.raises(ValueError, match="tensor_parallel_size=.*positive int.*auto"):
+            FSDPStrategy(tensor_parallel_size=value)
+
+
+def test_tensor_parallel_size_must_divide_the_ranks():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 \(2\) does not divide the 1 ranks.*\[1\]"):
+        Trainer(strategy=ZeroStrategy(stage=2, tensor_parallel_size=2), devices=1, logger=False)
+
+
+def test_tensor_parallel_without_dtensor_parameters_names_configure_model(rank_pool):
+    message = rank_pool(2).run(body_error, NotSplit)[0]
+    assert "no parameter is a DTensor after configure_model" in message
+    assert "parallelize_module" in message
+
+
+def test_dtensor_parameters_on_another_mesh_are_refused(rank_pool):
+    message = rank_pool(2).run(body_error, OnItsOwnMesh)[0]
+    assert "not on the strategy's tensor-parallel mesh" in message
+    assert "self.device_mesh['tensor_parallel']" in message
+
+
+def test_a_checkpoint_under_dp2_x_tp2_resumes_exactly_under_other_layouts(rank_pool, tmp_path):
+    from trainer.checkpoint import load_full_state_dict
+
+    path = str(tmp_path / "dp2_tp2")
+    at_two = fit(TinyLlama(), "single", 1, PER_RANK_BATCH * 2, steps=2).strategy.full_state_dict()
+    want = fit(TinyLlama(), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
+    saved = rank_pool(4).run(body_save, "fsdp", 2, path)[0]
+    assert max_relative_difference(saved, at_two) <= TOLERANCE["adamw"]
+    # the checkpoint holds the full tensors under the model's names: one process reads it whole
+    whole = load_full_state_dict(path)
+    assert max_relative_difference(whole, saved) == 0
+    # tp 2 -> plain fsdp on 2 ranks (tp 1), and -> zero1 with tp 2
+    for name, tensor_parallel_size, ranks in (("fsdp", 1, 2), ("zero1", 2, 4)):
+        got = rank_pool(ranks).run(body_resume, name, tensor_parallel_size, path)[0]
+        assert max_relative_difference(got, want) <= TOLERANCE["adamw"], (name, tensor_parallel_size)
+
+
+def test_a_one_process_checkpoint_resumes_under_tensor_parallel(rank_pool, tmp_path):
+    path = str(tmp_path / "one")
+    trainer = fit(TinyLlama(), "single", 1, PER_RANK_BATCH * 2, steps=2)
+    trainer.save_checkpoint(path)
+    want = fit(TinyLlama(), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
+    got = rank_pool(4).run(body_resume, "ddp", 2, path)[0]
+    assert max_relative_difference(got, want) <= TOLERANCE["adamw"]
