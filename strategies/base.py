@@ -147,6 +147,11 @@ class Strategy:
         return self.world_size // self.tensor_parallel_size
 
     @property
+    def data_parallel_group(self) -> Any:
+        """The process group of this rank's data-parallel ranks under tensor parallel (None without: all ranks)."""
+        return self.device_mesh[DATA_PARALLEL].get_group() if self.tensor_parallel_size > 1 else None
+
+    @property
     def data_parallel_rank(self) -> int:
         """This rank's place among the data-parallel ranks (the ranks of one tensor-parallel group share it)."""
         return self.global_rank // self.tensor_parallel_size

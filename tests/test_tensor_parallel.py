@@ -115,6 +115,28 @@ def body_resume(name: str, tensor_parallel_size: int, path: str) -> dict[str, to
     return trainer.strategy.full_state_dict()
 
 
+class CountingLlama(TinyLlama):
+    """Counts the validation samples with self.log(..., reduce_fx="sum", sync_dist=True) and a torchmetrics sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.counted = torchmetrics.SumMetric()
+
+    def validation_step(self, batch: list[torch.Tensor], index: int) -> None:
+        samples = float(batch[0].shape[0])
+        self.log("samples", samples, reduce_fx="sum", sync_dist=True)
+        self.counted.update(samples)
+        self.log("counted", self.counted)
+
+
+def body_count() -> dict[str, float]:
+    trainer = Trainer(strategy=DDPStrategy(tensor_parallel_size=2), devices=4, logger=False, enable_progress_bar=False)
+    trainer.validate(CountingLlama(), DataLoader(tokens(), batch_size=PER_RANK_BATCH, shuffle=False))
+    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 
 
@@ -205,3 +227,10 @@ def test_a_one_process_checkpoint_resumes_under_tensor_parallel(rank_pool, tmp_p
     want = fit(TinyLlama(), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
     got = rank_pool(4).run(body_resume, "ddp", 2, path)[0]
     assert max_relative_difference(got, want) <= TOLERANCE["adamw"]
+
+
+def test_logged_sums_and_torchmetrics_count_each_sample_once(rank_pool):
+    pytest.importorskip("torchmetrics")
+    samples = len(tokens())
+    for rank, metrics in enumerate(rank_pool(4).run(body_count)):
+        assert metrics == {"samples": samples, "counted": samples}, rank

@@ -63,12 +63,18 @@ def step_value(name: str, metric: Any) -> torch.Tensor:
     return _scalar(name, value)
 
 
-def compute(metrics: dict[str, EpochMetric], done: dict[str, Any]) -> dict[str, tuple[torch.Tensor, bool, bool]]:
+def compute(
+    metrics: dict[str, EpochMetric], done: dict[str, Any], group: Any = None
+) -> dict[str, tuple[torch.Tensor, bool, bool]]:
     """Each per-epoch metric's compute() in sorted order of names (a collective sync, so the same order on every
-    rank), except those already in `done` (computed before the epoch-end hook, as Lightning computes them)."""
+    rank), except those already in `done` (computed before the epoch-end hook, as Lightning computes them).
+    `group`: the data-parallel ranks under tensor parallel, where a metric without a process group of its own
+    syncs (the ranks of a tensor-parallel group saw the same samples: each is counted once)."""
     results = {}
     for name in sorted(n for n, entry in metrics.items() if entry.on_epoch and n not in done):
         entry = metrics[name]
+        if group is not None and getattr(entry.metric, "process_group", "none of its own") is None:
+            entry.metric.process_group = group
         results[name] = (_scalar(name, entry.metric.compute()), entry.prog_bar, entry.to_logger)
     return results
 

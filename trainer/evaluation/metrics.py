@@ -75,6 +75,7 @@ class MetricCollector:
 
     reduce: Reduce
     gather: Callable[[Any], list[Any]] = lambda obj: [obj]  # every rank's object (all_gather_object)
+    data_parallel_group: Callable[[], Any] = lambda: None  # where metric objects sync under tensor parallel
     stage: str = "train"
     step_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     callback_metrics: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -96,7 +97,7 @@ class MetricCollector:
         metrics = self._metrics.setdefault(self.stage, {})
         if some_rank_idle:  # a rank that ran no step finds the metrics the others logged, to compute them too
             agree_on_entries(self._epoch.setdefault(self.stage, {}), metrics, module, self.gather, _synced_placeholder)
-        computed = compute(metrics, {})
+        computed = compute(metrics, {}, self.data_parallel_group())
         for name, (value, prog_bar, _) in computed.items():
             self._publish(self._epoch_name(name), value, prog_bar)
         self._computed[self.stage] = computed
@@ -214,7 +215,7 @@ class MetricCollector:
         results = self._computed.pop(self.stage, {})
         if some_rank_idle:
             agree_on_entries(values, metrics, module, self.gather, _synced_placeholder)
-        results.update(compute(metrics, results))
+        results.update(compute(metrics, results, self.data_parallel_group()))
         reset(metrics)
         results.update(self._reduced(values))
         out = {}
