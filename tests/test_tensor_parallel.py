@@ -105,6 +105,7 @@ def body_save(name: str, tensor_parallel_size: int, path: str) -> dict[str, torc
     """Two steps, then a checkpoint; the full weights then."""
     trainer = fit(TinyLlama(), make_strategy(name, tensor_parallel_size), 4, PER_RANK_BATCH, steps=2)
     trainer.save_checkpoint(path)
+    trainer.save_checkpoint(path + ".pt", full=True)
     return trainer.strategy.full_state_dict()
 
 
@@ -204,7 +205,9 @@ def test_dtensor_parameters_on_another_mesh_are_refused(rank_pool):
 
 
 def test_a_checkpoint_under_dp2_x_tp2_resumes_exactly_under_other_layouts(rank_pool, tmp_path):
-    from trainer.checkpoint import load_full_state_dict
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint import export_safetensors, load_full_state_dict
 
     path = str(tmp_path / "dp2_tp2")
     at_two = fit(TinyLlama(), "single", 1, PER_RANK_BATCH * 2, steps=2).strategy.full_state_dict()
@@ -214,6 +217,10 @@ def test_a_checkpoint_under_dp2_x_tp2_resumes_exactly_under_other_layouts(rank_p
     # the checkpoint holds the full tensors under the model's names: one process reads it whole
     whole = load_full_state_dict(path)
     assert max_relative_difference(whole, saved) == 0
+    assert max_relative_difference(torch.load(path + ".pt")["model"], saved) == 0
+    export_safetensors(path, tmp_path / "hf", prefix="model.")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert max_relative_difference({f"model.{k}": v for k, v in exported.items()}, saved) == 0
     # tp 2 -> plain fsdp on 2 ranks (tp 1), and -> zero1 with tp 2
     for name, tensor_parallel_size, ranks in (("fsdp", 1, 2), ("zero1", 2, 4)):
         got = rank_pool(ranks).run(body_resume, name, tensor_parallel_size, path)[0]
