@@ -136,7 +136,10 @@ class Strategy:
     def device_mesh(self) -> DeviceMesh:
         """The 2-D mesh of the ranks, dimensions "data_parallel" and "tensor_parallel" (as Lightning's
         ModelParallelStrategy): in `configure_model`, apply torch's tensor parallel on
-        `device_mesh["tensor_parallel"]`. Made on first use when `tensor_parallel_size` is 1 (collective then)."""
+        `device_mesh["tensor_parallel"]`. Made on first use when `tensor_parallel_size` is 1 (collective then). In a
+        plain loop under torchrun, read it before `setup_module` to split the model."""
+        if not self._connected:
+            self.connect(*_environment())
         if self._device_mesh is None:
             self._device_mesh = make_device_mesh(self.root_device.type, self.world_size, self.tensor_parallel_size)
         return self._device_mesh
