@@ -59,7 +59,8 @@ def torchs(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optim
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
-def step_times(build, args: argparse.Namespace) -> list[float]:
+def step_times(build, args: argparse.Namespace) -> tuple[list[float], float]:
+    """The timed steps' seconds, and the last step's loss."""
     model, optimizer = build(args)
     generator = torch.Generator().manual_seed(dist.get_rank() // TENSOR_PARALLEL)  # one batch per data rank
     times = []
@@ -68,12 +69,13 @@ def step_times(build, args: argparse.Namespace) -> list[float]:
         dist.barrier()
         start = time.perf_counter()
         logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         if step >= 2:
             times.append(time.perf_counter() - start)
-    return times
+    return times, loss.item()
 
 
 def rank(index: int, args: argparse.Namespace, port: int) -> None:
@@ -83,16 +85,18 @@ def rank(index: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo")
     variants = {"fsdp x tp (ours)": ours, "fully_shard x tp (torch)": torchs}
     measured: dict[str, list[float]] = {name: [] for name in variants}
+    losses: dict[str, float] = {}
     for round_ in range(args.rounds):
         order = list(variants) if round_ % 2 == 0 else list(reversed(variants))
         for name in order:
-            measured[name] += step_times(variants[name], args)
+            times, losses[name] = step_times(variants[name], args)
+            measured[name] += times
     if index == 0:
         medians = {name: statistics.median(times) for name, times in measured.items()}
         base = medians["fully_shard x tp (torch)"]
-        print("| variant | median step (s) | x torch |\n|---|---|---|")
+        print("| variant | median step (s) | x torch | last loss (rank 0) |\n|---|---|---|---|")
         for name, median in medians.items():
-            print(f"| {name} | {median:.4f} | {median / base:.2f} |")
+            print(f"| {name} | {median:.4f} | {median / base:.2f} | {losses[name]:.6f} |")
     dist.destroy_process_group()
 
 
