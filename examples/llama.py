@@ -127,11 +127,13 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
-def tensor_parallel(model: Llama, mesh: DeviceMesh) -> Llama:
+def tensor_parallel(model: Llama, mesh: DeviceMesh, loss_parallel: bool = False) -> Llama:
     """Split `model` over the ranks of `mesh` (a 1-D tensor-parallel mesh) with torch's tensor parallel, as
     torchtitan splits Llama: in each block the query, key, value and the feed-forward's first projections column-wise
     and the output projections row-wise, the norms and the activations between blocks sequence-parallel (split along
-    the sequence), the embedding row-wise and the output projection column-wise, its logits gathered whole.
+    the sequence), the embedding row-wise and the output projection column-wise, its logits gathered whole, or with
+    `loss_parallel` left split over the vocabulary as a DTensor: compute the loss and run backward inside torch's
+    `loss_parallel()` then (in a TrainModule: `training_step` and an overridden `backward`).
 
     The heads and the feed-forward width must divide by the mesh's size. Returns `model`, split in place.
     """
@@ -149,7 +151,11 @@ def tensor_parallel(model: Llama, mesh: DeviceMesh) -> Llama:
         {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
         },
     )
     for block in model.layers:

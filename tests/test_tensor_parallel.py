@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel
@@ -46,6 +47,25 @@ class TinyLlama(TrainModule):
         # another order) into relative differences of 3e-4 under plain data parallel already (dp 4, ddp), beyond
         # the parity tolerance; at 1e-6 dp 4 gives 2.4e-5 and dp 2 x tp 2 2.5e-5
         return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6)
+
+
+class LossParallelLlama(TinyLlama):
+    """The logits stay split over the vocabulary; the loss and backward run in torch's loss_parallel(), as in
+    Lightning's tensor-parallel example (training_step, and an overridden backward)."""
+
+    def configure_model(self) -> None:
+        torch.manual_seed(0)
+        self.model = tensor_parallel(Llama(CONFIG), self.device_mesh["tensor_parallel"], loss_parallel=True)
+
+    def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        with loss_parallel():
+            return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        with loss_parallel():
+            super().backward(loss, *args, **kwargs)
 
 
 def tokens() -> TensorDataset:
@@ -136,6 +156,11 @@ def body_count() -> dict[str, float]:
     trainer = Trainer(strategy=DDPStrategy(tensor_parallel_size=2), devices=4, logger=False, enable_progress_bar=False)
     trainer.validate(CountingLlama(), DataLoader(tokens(), batch_size=PER_RANK_BATCH, shuffle=False))
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+def body_loss_parallel() -> dict[str, torch.Tensor]:
+    trainer = fit(LossParallelLlama("sgd"), DDPStrategy(tensor_parallel_size=2), 4, PER_RANK_BATCH)
+    return trainer.strategy.full_state_dict()
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -241,3 +266,9 @@ def test_logged_sums_and_torchmetrics_count_each_sample_once(rank_pool):
     samples = len(tokens())
     for rank, metrics in enumerate(rank_pool(4).run(body_count)):
         assert metrics == {"samples": samples, "counted": samples}, rank
+
+
+def test_loss_parallel_in_training_step_and_backward_gives_one_process_weights(rank_pool):
+    want = fit(TinyLlama("sgd"), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
+    got = rank_pool(4).run(body_loss_parallel)[0]
+    assert max_relative_difference(got, want) <= TOLERANCE["sgd"]

@@ -219,6 +219,16 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
         return None if not schedulers else schedulers[0] if len(schedulers) == 1 else schedulers
 
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's hook: how the Trainer runs backward on the (scaled) loss, between `on_before_backward` and
+        `on_after_backward`. Override it to run backward in a context, such as torch's `loss_parallel()` under
+        tensor parallel (docs/strategies.md, "Tensor parallel").
+
+        Args:
+            loss: the loss tensor, scaled by the precision.
+        """
+        loss.backward(*args, **kwargs)
+
     def manual_backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` with the precision's loss scaling, between the `on_before_backward` and
         `on_after_backward` hooks. Use it instead of `loss.backward()` under manual optimization.

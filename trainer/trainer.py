@@ -579,7 +579,7 @@ class Trainer:
         with self.timer.phase("backward"):
             scaled = self.precision.scale_loss(loss)
             self._call("on_before_backward", scaled)
-            scaled.backward()
+            self.module.backward(scaled)  # Lightning's hook (loss.backward() unless the module overrides it)
             self._call("on_after_backward")
 
     def clip_gradients(

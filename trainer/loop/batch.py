@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..data.uneven import Lookahead
 from ..evaluation.evaluate import log_metrics, to_step
@@ -61,7 +62,8 @@ class TrainingBatch:
             outputs = self._manual_outputs(output, batch_idx)
         else:
             loss = self._loss_from(output, batch_idx)
-            agreed = self._agree(loss, batch_idx)
+            value = loss.full_tensor() if isinstance(loss, DTensor) else loss  # (loss_parallel's DTensor)
+            agreed = self._agree(value, batch_idx)
             window_end = (
                 (batch_idx + 1) % t.accumulate_grad_batches == 0
                 or batch_idx + 1 == t.num_training_batches
@@ -74,7 +76,7 @@ class TrainingBatch:
                     t.backward(loss / t.accumulate_grad_batches)
                 self._backward_in_window = True
                 self._unsynced = not window_end  # gradients held back by no_sync, not yet averaged
-                outputs = {"loss": loss.detach()}
+                outputs = {"loss": value.detach()}
             if window_end:
                 self._optimizer_step(batch_idx)
                 self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
