@@ -346,6 +346,8 @@ class Strategy:
             self.tensor_parallel = TensorParallelParameters(module, self.device_mesh[TENSOR_PARALLEL])
             options["group"] = self.device_mesh[DATA_PARALLEL].get_group()
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record, **options)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.install()
         if self.compile is not None:
             compile_in_place(
                 modules_to_compile(module, self.compile, self._units_to_compile(module)), self.compile_options

@@ -101,6 +101,11 @@ class TensorParallelParameters:
                 "parallel there, e.g. parallelize_module(self.model, self.device_mesh['tensor_parallel'], "
                 "{'attention.wq': ColwiseParallel(), ...}), or use tensor_parallel_size=1"
             )
+        self._hooks: list[Any] = []
+
+    def install(self) -> None:
+        """Hook each owning module so that it computes with DTensors. Called once the engine has set the module
+        up: these hooks then run after the engine's, which gather a unit's parameters first."""
         self._hooks = [h for owner in self._by_module for h in self._install(owner)]
 
     def _local(self, owner: nn.Module, name: str, param: DTensor, full_name: str) -> TensorParallelLayout:

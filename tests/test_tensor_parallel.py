@@ -5,6 +5,10 @@ K steps at dp 2 x tp 2 give one process's weights on the global batch, with accu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +17,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel
-from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
+from strategies import DDPStrategy, FSDPStrategy, MixedPrecision, ZeroStrategy
+from tests.ranks import ROOT
 from tests.test_parity import TOLERANCE, max_relative_difference
 from trainer import Trainer, TrainModule
 
@@ -90,20 +95,24 @@ def fit(
     clip: float | None = 0.5,
     steps: int = STEPS,
     ckpt_path: str | None = None,
+    accumulate: int = ACCUMULATE,
+    shuffle: bool = False,
+    precision: str = "32",
 ) -> Trainer:
     trainer = Trainer(
         strategy=strategy,
         devices=devices,
         max_steps=steps,
         max_epochs=1,
-        accumulate_grad_batches=ACCUMULATE,
+        accumulate_grad_batches=accumulate,
+        precision=precision,
         gradient_clip_val=clip,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(tokens(), batch_size=batch_size, shuffle=False), ckpt_path=ckpt_path)
+    trainer.fit(module, DataLoader(tokens(), batch_size=batch_size, shuffle=shuffle), ckpt_path=ckpt_path)
     assert trainer.global_step == steps
     return trainer
 
@@ -161,6 +170,33 @@ def body_count() -> dict[str, float]:
 def body_loss_parallel() -> dict[str, torch.Tensor]:
     trainer = fit(LossParallelLlama("sgd"), DDPStrategy(tensor_parallel_size=2), 4, PER_RANK_BATCH)
     return trainer.strategy.full_state_dict()
+
+
+def body_as_lightning_runs_it() -> dict[str, torch.Tensor]:
+    """The settings of tests/scripts/lightning_tensor_parallel.py: SGD, no accumulation, no clipping, the loader
+    shuffled (Lightning shuffles every split training loader; both split it with DistributedSampler's seed 0)."""
+    strategy = make_strategy("fsdp", 2)
+    trainer = fit(TinyLlama("sgd"), strategy, 4, PER_RANK_BATCH, clip=None, accumulate=1, shuffle=True)
+    return trainer.strategy.full_state_dict()
+
+
+def body_checkpointed_and_bf16() -> dict[str, dict[str, torch.Tensor]]:
+    """Activation checkpointing of each block in fp32, and bf16-mixed (autocast), both at dp 2 x tp 2."""
+    block = type(Llama(CONFIG).layers[0])
+    checkpointed = FSDPStrategy(auto_wrap_policy={block}, activation_checkpointing={block}, tensor_parallel_size=2)
+    out = {"checkpointed": fit(TinyLlama("sgd"), checkpointed, 4, PER_RANK_BATCH).strategy.full_state_dict()}
+    bf16 = fit(TinyLlama("sgd"), make_strategy("fsdp", 2), 4, PER_RANK_BATCH, precision="bf16-mixed")
+    out["bf16"] = bf16.strategy.full_state_dict()
+    return out
+
+
+def body_mixed_precision(tensor_parallel_size: int) -> dict[str, torch.Tensor]:
+    """FSDPStrategy's own mixed precision (FSDP2's MixedPrecisionPolicy): bf16 parameters in compute, fp32
+    reductions, on two data-parallel ranks."""
+    block = type(Llama(CONFIG).layers[0])
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    strategy = FSDPStrategy(auto_wrap_policy={block}, mixed_precision=policy, tensor_parallel_size=tensor_parallel_size)
+    return fit(TinyLlama("sgd"), strategy, 2 * tensor_parallel_size, PER_RANK_BATCH).strategy.full_state_dict()
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -272,3 +308,34 @@ def test_loss_parallel_in_training_step_and_backward_gives_one_process_weights(r
     want = fit(TinyLlama("sgd"), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
     got = rank_pool(4).run(body_loss_parallel)[0]
     assert max_relative_difference(got, want) <= TOLERANCE["sgd"]
+
+
+def test_the_same_weights_as_lightnings_model_parallel_strategy(rank_pool, tmp_path):
+    """Lightning's ModelParallelStrategy (parallelize_module and fully_shard in configure_model) against this
+    project's FSDPStrategy(tensor_parallel_size=2) (the fully_shard calls gone), both at dp 2 x tp 2 on CPU."""
+    pytest.importorskip("lightning")
+    out = tmp_path / "lightning.pt"
+    script = os.path.join(ROOT, "tests", "scripts", "lightning_tensor_parallel.py")
+    environment = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, script, str(out)], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lightning = torch.load(out)
+    ours = rank_pool(4).run(body_as_lightning_runs_it)[0]
+    assert max_relative_difference(ours, lightning) <= TOLERANCE["sgd"]
+
+
+def test_activation_checkpointing_and_bf16_mixed_under_tensor_parallel(rank_pool):
+    want = fit(TinyLlama("sgd"), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
+    want_bf16 = fit(TinyLlama("sgd"), "single", 1, PER_RANK_BATCH * 2, precision="bf16-mixed")
+    got = rank_pool(4).run(body_checkpointed_and_bf16)[0]
+    assert max_relative_difference(got["checkpointed"], want) <= TOLERANCE["sgd"]
+    # bf16 matmuls round differently when a layer is split: within bf16's precision of one process's bf16 run
+    assert max_relative_difference(got["bf16"], want_bf16.strategy.full_state_dict()) <= 1e-3
+
+
+def test_fsdp_mixed_precision_under_tensor_parallel_rounds_as_without(rank_pool):
+    without = rank_pool(2).run(body_mixed_precision, 1)[0]
+    split = rank_pool(4).run(body_mixed_precision, 2)[0]
+    assert max_relative_difference(split, without) <= 1e-3
