@@ -348,6 +348,9 @@ class Strategy:
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record, **options)
         if self.tensor_parallel is not None:
             self.tensor_parallel.install()
+            split = self.tensor_parallel.sharded_names()
+            pieces = [p for name, p in module.named_parameters() if name in split]
+            self.engine.split_elsewhere(pieces, self.device_mesh[TENSOR_PARALLEL].get_group())
         if self.compile is not None:
             compile_in_place(
                 modules_to_compile(module, self.compile, self._units_to_compile(module)), self.compile_options

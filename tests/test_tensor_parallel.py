@@ -73,6 +73,16 @@ class LossParallelLlama(TinyLlama):
             super().backward(loss, *args, **kwargs)
 
 
+class TorchClippedLlama(TinyLlama):
+    """Clips with torch's own clip_grad_norm_ on the module's parameters, the habit from plain torch and FSDP2."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)))
+
+    def on_fit_start(self) -> None:
+        self.norms = []
+
+
 def tokens() -> TensorDataset:
     generator = torch.Generator().manual_seed(7)
     count = STEPS * ACCUMULATE * PER_RANK_BATCH * 4
@@ -197,6 +207,16 @@ def body_mixed_precision(tensor_parallel_size: int) -> dict[str, torch.Tensor]:
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     strategy = FSDPStrategy(auto_wrap_policy={block}, mixed_precision=policy, tensor_parallel_size=tensor_parallel_size)
     return fit(TinyLlama("sgd"), strategy, 2 * tensor_parallel_size, PER_RANK_BATCH).strategy.full_state_dict()
+
+
+def body_torch_clip(tensor_parallel_size: int) -> dict[str, tuple[dict[str, torch.Tensor], list[float]]]:
+    out = {}
+    for name in STRATEGIES:
+        module = TorchClippedLlama("sgd")
+        strategy = make_strategy(name, tensor_parallel_size)
+        trainer = fit(module, strategy, 2 * tensor_parallel_size, PER_RANK_BATCH, clip=None)
+        out[name] = (trainer.strategy.full_state_dict(), module.norms)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -339,3 +359,16 @@ def test_fsdp_mixed_precision_under_tensor_parallel_rounds_as_without(rank_pool)
     without = rank_pool(2).run(body_mixed_precision, 1)[0]
     split = rank_pool(4).run(body_mixed_precision, 2)[0]
     assert max_relative_difference(split, without) <= 1e-3
+
+
+def test_torch_clip_grad_norm_on_the_module_takes_the_norm_over_every_piece(rank_pool):
+    """torch.nn.utils.clip_grad_norm_(module.parameters()) under tensor parallel: the norm of the whole model (the
+    split pieces' squares summed over the tensor-parallel ranks), the same on every rank, as one process."""
+    reference = TorchClippedLlama("sgd")
+    want = fit(reference, "single", 1, PER_RANK_BATCH * 2, clip=None).strategy.full_state_dict()
+    results = rank_pool(4).run(body_torch_clip, 2)
+    for name in STRATEGIES:
+        weights, norms = results[0][name]
+        assert norms == pytest.approx(reference.norms, rel=1e-5), name
+        assert all(results[r][name][1] == norms for r in range(4)), name
+        assert max_relative_difference(weights, want) <= TOLERANCE["sgd"], name

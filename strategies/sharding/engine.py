@@ -137,6 +137,14 @@ class ShardingEngine:
                 units.append(self._new_unit(name, params, module))
         return units
 
+    def split_elsewhere(self, params: list[nn.Parameter], group: Any) -> None:
+        """Mark `params` as pieces of larger tensors whose other pieces are on the ranks of `group` (tensor
+        parallel): the norms of their gradients that torch's functions take (`clip_grad_norm_`) combine over those
+        ranks too, so that every rank clips by the whole model's norm."""
+        wanted = {id(p) for p in params}
+        for unit in self.units:
+            unit.grads.split = {i: group for i, p in enumerate(unit.params) if id(p) in wanted}
+
     def _share_gradient_norms(self) -> None:
         """The sharded gradients' placeholders combine their norms over the ranks, all units at once."""
         stores = [u.grads for u in self.units if isinstance(u.grads, ShardedGradients)]

@@ -55,6 +55,7 @@ class NoGradients:
     """A unit without trainable parameters."""
 
     nbytes = 0
+    split: dict[int, Any] = {}  # never written here (ShardingEngine.split_elsewhere)
 
     def on_grad_ready(self, index: int) -> None: ...
     def launch(self) -> None: ...
@@ -73,6 +74,8 @@ class NoGradients:
 
 
 class ReplicatedGradients:
+    split: dict[int, Any] = {}  # parameter index -> group (ShardingEngine.split_elsewhere)
+
     def __init__(self, unit: ShardUnit) -> None:
         self.unit = unit
         layout, n = unit.layout, len(unit.params)
@@ -153,7 +156,10 @@ class ReplicatedGradients:
             return
         for index, (p, used) in enumerate(zip(self.unit.params, self.used)):
             if self.unit.trainable[index]:
-                p.grad = self.views[index] if used else None
+                view = self.views[index]
+                if used and index in self.split:  # a piece of a tensor split over other ranks too
+                    view = split_gradient(view, self.split[index])
+                p.grad = view if used else None
         for piece in self.unit.pieces:  # zero1: the optimizer's slices
             shard = self.unit.shard_params[piece.param_index]
             if shard.requires_grad:
@@ -194,6 +200,8 @@ class ReplicatedGradients:
 
 
 class ShardedGradients:
+    split: dict[int, Any] = {}  # parameter index -> group (ShardingEngine.split_elsewhere)
+
     def __init__(self, unit: ShardUnit) -> None:
         self.unit = unit
         self.shard: torch.Tensor | None = None  # this rank's slice, made by the first reduction after zero
@@ -626,11 +634,24 @@ class GradientNorms:
         local = torch.stack([_local_contribution(p.to(self.device, dtype), ord) for p in parts])
         if self.groups.size > 1:  # hybrid sharding: the copies of a shard are equal, so the shard group suffices
             dist.all_reduce(local, op=_REDUCE_OP.get(ord, dist.ReduceOp.SUM), group=self.groups.shard)
+        local = _over_split_ranks(local, [store.split.get(index) for store, index in entries], ord)
         norms = _finish(local, ord)
         return {(id(store), index): norm for (store, index), norm in zip(entries, norms)}
 
 
 _REDUCE_OP = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}
+
+
+def _over_split_ranks(contributions: torch.Tensor, groups: list[Any], ord: float) -> torch.Tensor:
+    """The contributions of gradients that are pieces of tensors split over other ranks too (tensor parallel),
+    combined over those ranks: one all-reduce per group, the others untouched."""
+    contributions = contributions.clone()
+    for group in {id(g): g for g in groups if g is not None}.values():
+        chosen = [i for i, g in enumerate(groups) if g is group]
+        combined = contributions[chosen]
+        dist.all_reduce(combined, op=_REDUCE_OP.get(ord, dist.ReduceOp.SUM), group=group)
+        contributions[chosen] = combined
+    return contributions
 
 
 def _local_contribution(part: torch.Tensor, ord: float) -> torch.Tensor:
@@ -644,6 +665,63 @@ def _local_contribution(part: torch.Tensor, ord: float) -> torch.Tensor:
 
 def _finish(combined: torch.Tensor, ord: float) -> torch.Tensor:
     return combined if ord in (0, math.inf, -math.inf) else combined.pow(1.0 / ord)
+
+
+# ---- `.grad` of a piece of a tensor split over other ranks too (tensor parallel) ------------------------------
+class SplitGradient(torch.Tensor):
+    """The `.grad` of a parameter that is one piece of a larger tensor whose other pieces are on the ranks of
+    another group (tensor parallel), where the whole gradient is replicated over the data-parallel ranks (ddp,
+    zero1). It is the gradient itself; only torch's norms of it (`clip_grad_norm_`, `.norm()`) combine over the
+    ranks of that group, so that every rank computes the norm of the whole tensor. Collective there."""
+
+    _split_group: Any
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        handler = _SPLIT_NORMS.get(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            if handler is not None:
+                return handler(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+
+def split_gradient(view: torch.Tensor, group: Any) -> SplitGradient:
+    grad = view.as_subclass(SplitGradient)
+    grad._split_group = group
+    return grad
+
+
+def _split_norms(grads: list[torch.Tensor], ord: float = 2, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Each gradient's norm, those of split gradients combined over their group (one all-reduce per group)."""
+    norms = [torch.linalg.vector_norm(g, ord, dtype=dtype) for g in grads]
+    groups = [getattr(g, "_split_group", None) for g in grads]
+    if not any(g is not None for g in groups):
+        return norms
+    powered = torch.stack([n if ord in (0, math.inf, -math.inf) else n.pow(ord) for n in norms])
+    return list(_finish(_over_split_ranks(powered, groups, ord), ord).to(norms[0].dtype).unbind())
+
+
+def _split_vector_norm(
+    grad: torch.Tensor, ord: float = 2, dim: Any = None, keepdim: bool = False, *, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    if dim is not None:
+        raise ValueError("the norm of a tensor-parallel gradient piece is taken whole (dim=None)")
+    norm = _split_norms([grad], ord, dtype)[0]
+    return norm.reshape([1] * grad.dim()) if keepdim else norm
+
+
+def _split_tensor_norm(
+    grad: torch.Tensor, p: Any = "fro", dim: Any = None, keepdim: bool = False, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    return _split_vector_norm(grad, 2 if p in (None, "fro") else p, dim, keepdim, dtype=dtype)
+
+
+_SPLIT_NORMS: dict[Any, Callable[..., Any]] = {
+    torch.linalg.vector_norm: _split_vector_norm,
+    torch.Tensor.norm: _split_tensor_norm,
+    torch.norm: _split_tensor_norm,
+    torch._foreach_norm: _split_norms,
+}
 
 
 # ---- what torch's functions may do with a ShardedGradient ------------------------------------------------
