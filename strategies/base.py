@@ -345,6 +345,8 @@ class Strategy:
         if self.tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallelParameters(module, self.device_mesh[TENSOR_PARALLEL])
             options["group"] = self.device_mesh[DATA_PARALLEL].get_group()
+            size = self.tensor_parallel_size  # rank = data-parallel index x size + tensor-parallel index
+            options["every_data_parallel_group"] = [list(range(t, self.world_size, size)) for t in range(size)]
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record, **options)
         if self.tensor_parallel is not None:
             self.tensor_parallel.install()

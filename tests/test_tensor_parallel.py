@@ -5,6 +5,7 @@ K steps at dp 2 x tp 2 give one process's weights on the global batch, with accu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -30,13 +31,14 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 class TinyLlama(TrainModule):
     """The Llama example at its tiny size, split by tensor parallel in configure_model when the strategy asks."""
 
-    def __init__(self, optimizer: str = "adamw") -> None:
+    def __init__(self, optimizer: str = "adamw", n_kv_heads: int = CONFIG.n_kv_heads) -> None:
         super().__init__()
         self.optimizer, self.model = optimizer, None
+        self.config = dataclasses.replace(CONFIG, n_kv_heads=n_kv_heads)
 
     def configure_model(self) -> None:
         torch.manual_seed(0)  # the same weights on every rank and in the one-process reference
-        self.model = Llama(CONFIG)
+        self.model = Llama(self.config)
         if self.trainer.strategy.tensor_parallel_size > 1:
             tensor_parallel(self.model, self.device_mesh["tensor_parallel"])
 
@@ -219,6 +221,19 @@ def body_torch_clip(tensor_parallel_size: int) -> dict[str, tuple[dict[str, torc
     return out
 
 
+def body_eight_ranks() -> dict[str, dict[str, torch.Tensor]]:
+    """dp 4 x tp 2 under zero2, hsdp 2 x 2 x tp 2 (fsdp sharding in pairs of data-parallel ranks, replicated
+    across the pairs), and dp 2 x tp 4 under ddp (four key/value heads, so that tp 4 splits them)."""
+    block = type(Llama(CONFIG).layers[0])
+    hsdp = FSDPStrategy(auto_wrap_policy={block}, hybrid_shard=2, tensor_parallel_size=2)
+    out = {
+        "zero2 dp 4 x tp 2": fit(TinyLlama("sgd"), make_strategy("zero2", 2), 8, PER_RANK_BATCH),
+        "hsdp 2 x 2 x tp 2": fit(TinyLlama("sgd"), hsdp, 8, PER_RANK_BATCH),
+        "ddp dp 2 x tp 4": fit(TinyLlama("sgd", n_kv_heads=4), DDPStrategy(tensor_parallel_size=4), 8, PER_RANK_BATCH),
+    }
+    return {name: trainer.strategy.full_state_dict() for name, trainer in out.items()}
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 
 
@@ -372,3 +387,11 @@ def test_torch_clip_grad_norm_on_the_module_takes_the_norm_over_every_piece(rank
         assert norms == pytest.approx(reference.norms, rel=1e-5), name
         assert all(results[r][name][1] == norms for r in range(4)), name
         assert max_relative_difference(weights, want) <= TOLERANCE["sgd"], name
+
+
+def test_eight_ranks_dp4_x_tp2_hsdp_x_tp2_and_dp2_x_tp4(rank_pool):
+    results = rank_pool(8).run(body_eight_ranks)[0]
+    dp4 = fit(TinyLlama("sgd"), "single", 1, PER_RANK_BATCH * 4).strategy.full_state_dict()
+    dp2 = fit(TinyLlama("sgd", n_kv_heads=4), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
+    for name, want in (("zero2 dp 4 x tp 2", dp4), ("hsdp 2 x 2 x tp 2", dp4), ("ddp dp 2 x tp 4", dp2)):
+        assert max_relative_difference(results[name], want) <= TOLERANCE["sgd"], name

@@ -62,15 +62,17 @@ class ShardingEngine:
         forward_context: Callable[[], AbstractContextManager] | None = None,
         shard_group_size: int | None = None,
         init_record: InitRecord | None = None,
+        every_data_parallel_group: list[list[int]] | None = None,
     ) -> None:
-        """`init_record`: how the model's meta tensors were made (meta_init.py); they are replayed exactly."""
+        """`init_record`: how the model's meta tensors were made (meta_init.py); they are replayed exactly.
+        `every_data_parallel_group`: under tensor parallel, the ranks of each data-parallel group (groups.py)."""
         self.module, self.spec = module, spec
         self.unit_options = unit_options or UnitOptions()
         _check_options(spec, self.unit_options)
         self.device = device or next((p.device for p in module.parameters() if not p.is_meta), torch.device("cpu"))
         meta_ids = replace_meta_parameters(module, self.device)
         self._meta_ids = meta_ids
-        self.groups = make_groups(group, shard_group_size)
+        self.groups = make_groups(group, shard_group_size, every_data_parallel_group)
         self.rank, self.world_size = self.groups.rank, self.groups.size  # within it
         if _nothing_to_shard(spec, self.groups.data_parallel_size, self.unit_options, forward_context):
             # One rank's shard of a unit is the whole unit: gathering and freeing it would only cost copies, hooks

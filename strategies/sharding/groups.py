@@ -64,8 +64,12 @@ class Groups:
         return dist.get_global_rank(self.everyone, 0) if self.everyone is not None else 0
 
 
-def make_groups(everyone: Any = None, shard_group_size: int | None = None) -> Groups:
-    """Collective when `shard_group_size` splits the ranks: every rank must call it, in the same order."""
+def make_groups(
+    everyone: Any = None, shard_group_size: int | None = None, every_data_parallel_group: list[list[int]] | None = None
+) -> Groups:
+    """Collective when `shard_group_size` splits the ranks: every rank must call it, in the same order.
+    `every_data_parallel_group`: the global ranks of every data-parallel group when there are several (tensor
+    parallel: one per tensor-parallel position), so that every rank makes every group's subgroups alike."""
     if not dist.is_initialized():
         return Groups.of(everyone, everyone, None, 0, 1, 1, 0)
     world = dist.get_world_size(everyone)
@@ -78,6 +82,7 @@ def make_groups(everyone: Any = None, shard_group_size: int | None = None) -> Gr
         )
     ranks = dist.get_process_group_ranks(everyone) if everyone is not None else list(range(world))
     size = shard_group_size
-    shard, _ = dist.new_subgroups_by_enumeration([ranks[i : i + size] for i in range(0, world, size)])
-    replicate, _ = dist.new_subgroups_by_enumeration([ranks[offset::size] for offset in range(size)])
+    groups = every_data_parallel_group or [ranks]
+    shard, _ = dist.new_subgroups_by_enumeration([g[i : i + size] for g in groups for i in range(0, world, size)])
+    replicate, _ = dist.new_subgroups_by_enumeration([g[offset::size] for g in groups for offset in range(size)])
     return Groups.of(everyone, shard, replicate, dist.get_rank(shard), size, world, dist.get_rank(replicate))
