@@ -536,13 +536,8 @@ class Strategy:
         view of elements [start, start + numel) of the flattened parameter `name` of `shape`, in the master's
         precision. Under zero1, zero2, fsdp and hsdp they are the slices its optimizer steps; under ddp the
         slices of the replicated parameters it owns (and writes in checkpoints). Writing them writes the weights:
-        write alike on every rank, then call `master_pieces_changed`."""
-        if self.tensor_parallel is not None:
-            raise ValueError(
-                "master_pieces (callbacks.EMA and other callbacks' sharded state) under tensor_parallel_size="
-                f"{self.tensor_parallel_size}: not supported yet (the pieces are the tensor-parallel ranks' local "
-                "ones); use tensor_parallel_size=1 with such callbacks"
-            )
+        write alike on every rank, then call `master_pieces_changed`. Under tensor parallel they are pieces of
+        this rank's local pieces (`shape` the local piece's); checkpoints put them in place (TensorParallelState)."""
         return engine_state.master_pieces(self.engine)
 
     def master_pieces_changed(self) -> None:

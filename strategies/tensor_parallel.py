@@ -230,6 +230,11 @@ class TensorParallelState:
         layouts = self.layouts
         return {n: (layouts[n].shape if n in layouts else s, dtype) for n, (s, dtype) in self.inner.shapes().items()}
 
+    def in_full_coordinates(self, entries: dict[str, Any], writing: bool) -> dict[str, Any]:
+        """Other state kept in the model's pieces, by parameter name (a callback's average of the weights), as
+        checkpoints hold it: see the class."""
+        return self._entries(None, entries, writing)
+
     def _full(self, state: dict[str, Any], writing: bool) -> dict[str, Any]:
         """Model entries (name -> value) or an optimizer's ({"state": {name: {key: value}}, ...}) in full
         coordinates; when `writing`, without what another tensor-parallel rank writes."""

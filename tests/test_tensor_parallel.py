@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
+from callbacks import EMA
 from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel
 from strategies import DDPStrategy, FSDPStrategy, MixedPrecision, ZeroStrategy
 from tests.ranks import ROOT
@@ -110,6 +111,7 @@ def fit(
     accumulate: int = ACCUMULATE,
     shuffle: bool = False,
     precision: str = "32",
+    callbacks: list | None = None,
 ) -> Trainer:
     trainer = Trainer(
         strategy=strategy,
@@ -118,6 +120,7 @@ def fit(
         max_epochs=1,
         accumulate_grad_batches=accumulate,
         precision=precision,
+        callbacks=callbacks,
         gradient_clip_val=clip,
         logger=False,
         enable_checkpointing=False,
@@ -232,6 +235,12 @@ def body_eight_ranks() -> dict[str, dict[str, torch.Tensor]]:
         "ddp dp 2 x tp 4": fit(TinyLlama("sgd", n_kv_heads=4), DDPStrategy(tensor_parallel_size=4), 8, PER_RANK_BATCH),
     }
     return {name: trainer.strategy.full_state_dict() for name, trainer in out.items()}
+
+
+def body_ema(path: str) -> None:
+    """callbacks.EMA at dp 2 x tp 2: each rank averages its pieces; the checkpoint holds the whole average."""
+    trainer = fit(TinyLlama("sgd"), make_strategy("fsdp", 2), 4, PER_RANK_BATCH, callbacks=[EMA(decay=0.5)])
+    trainer.save_checkpoint(path)
 
 
 # ------------------------------------------------------------------------------------------------------ tests
@@ -395,3 +404,14 @@ def test_eight_ranks_dp4_x_tp2_hsdp_x_tp2_and_dp2_x_tp4(rank_pool):
     dp2 = fit(TinyLlama("sgd", n_kv_heads=4), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
     for name, want in (("zero2 dp 4 x tp 2", dp4), ("hsdp 2 x 2 x tp 2", dp4), ("ddp dp 2 x tp 4", dp2)):
         assert max_relative_difference(results[name], want) <= TOLERANCE["sgd"], name
+
+
+def test_ema_under_tensor_parallel_checkpoints_one_process_average(rank_pool, tmp_path):
+    from trainer.checkpoint import load_full_state_dict
+
+    one, split = str(tmp_path / "one"), str(tmp_path / "split")
+    fit(TinyLlama("sgd"), "single", 1, PER_RANK_BATCH * 2, callbacks=[EMA(decay=0.5)]).save_checkpoint(one)
+    rank_pool(4).run(body_ema, split)
+    want, got = load_full_state_dict(one, ema=True), load_full_state_dict(split, ema=True)
+    assert max_relative_difference(got, want) <= TOLERANCE["sgd"]
+    assert max_relative_difference(load_full_state_dict(split), load_full_state_dict(one)) <= TOLERANCE["sgd"]

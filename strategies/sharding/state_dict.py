@@ -255,6 +255,11 @@ class ModelShards:
         """Names of tied parameters: each alias and the name it shares its tensor with."""
         return parameter_aliases(self.engine.module)
 
+    def in_full_coordinates(self, entries: dict[str, Any], writing: bool) -> dict[str, Any]:
+        """Other state kept in the model's pieces, by parameter name, as checkpoints hold it: as it is (the
+        engine's pieces are already in the full tensors' coordinates)."""
+        return entries
+
     def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """The shape and dtype of every entry of the model's full state dict."""
         return full_state_shapes(self.engine)

@@ -144,10 +144,10 @@ class CallbackPieces:
         self.trainer, self.key, self.entries = trainer, key, entries or {}
 
     def state_dict(self) -> dict[str, Any]:
-        return self.entries
+        return self.trainer.strategy.model_state().in_full_coordinates(self.entries, writing=True)
 
     def load_targets(self, saved: dict[str, Any]) -> dict[str, Any]:
-        return self.entries
+        return self.trainer.strategy.model_state().in_full_coordinates(self.entries, writing=False)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The targets were filled in place."""
