@@ -243,6 +243,23 @@ def body_ema(path: str) -> None:
     trainer.save_checkpoint(path)
 
 
+def body_optimizer_state_dict_of_rank_zero() -> str:
+    """The DDP habit: rank 0's optimizer.state_dict() loaded on every rank (a plain loop under ddp at tp 2)."""
+    strategy = DDPStrategy(tensor_parallel_size=2)
+    torch.manual_seed(0)
+    model = strategy.setup_module(tensor_parallel(Llama(CONFIG), strategy.device_mesh["tensor_parallel"]))
+    optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    (batch,) = tokens()[:PER_RANK_BATCH]
+    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+    optimizer.step()
+    saved = strategy.broadcast(optimizer.state_dict())
+    try:
+        optimizer.load_state_dict(saved)
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 
 
@@ -415,3 +432,11 @@ def test_ema_under_tensor_parallel_checkpoints_one_process_average(rank_pool, tm
     want, got = load_full_state_dict(one, ema=True), load_full_state_dict(split, ema=True)
     assert max_relative_difference(got, want) <= TOLERANCE["sgd"]
     assert max_relative_difference(load_full_state_dict(split), load_full_state_dict(one)) <= TOLERANCE["sgd"]
+
+
+def test_rank_zeros_optimizer_state_dict_is_refused_on_the_other_tensor_parallel_rank(rank_pool):
+    """Same shapes, other values: loading rank 0's pieces' moments on tensor-parallel rank 1 would be silent."""
+    results = rank_pool(4).run(body_optimizer_state_dict_of_rank_zero)
+    assert results[0] == results[2] == "loaded"  # tensor-parallel rank 0: its own pieces (ddp replicates them)
+    for message in (results[1], results[3]):
+        assert "tensor-parallel rank 1's pieces" in message and "rank 0's pieces" in message

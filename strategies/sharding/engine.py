@@ -73,6 +73,7 @@ class ShardingEngine:
         meta_ids = replace_meta_parameters(module, self.device)
         self._meta_ids = meta_ids
         self.groups = make_groups(group, shard_group_size, every_data_parallel_group)
+        self.split_group: Any = None  # under tensor parallel: the ranks that hold the other pieces (split_elsewhere)
         self.rank, self.world_size = self.groups.rank, self.groups.size  # within it
         if _nothing_to_shard(spec, self.groups.data_parallel_size, self.unit_options, forward_context):
             # One rank's shard of a unit is the whole unit: gathering and freeing it would only cost copies, hooks
@@ -144,6 +145,7 @@ class ShardingEngine:
         parallel): the norms of their gradients that torch's functions take (`clip_grad_norm_`) combine over those
         ranks too, so that every rank clips by the whole model's norm."""
         wanted = {id(p) for p in params}
+        self.split_group, self._split_ranks = group, dist.get_world_size(group)
         for unit in self.units:
             unit.grads.split = {i: group for i, p in enumerate(unit.params) if id(p) in wanted}
 
@@ -378,8 +380,9 @@ class ShardingEngine:
         self._hooks.append(optimizer.register_step_pre_hook(before_step))
         self._hooks.append(optimizer.register_step_post_hook(after_step))
         self._register_zero_grad(optimizer, params)
-        if self.spec.shard_optimizer_state:  # its state_dict() is this rank's shard: say so (optimizer_record.py)
-            self._hooks += mark_state_dicts(self, optimizer)
+        split = None if self.split_group is None else (dist.get_rank(self.split_group), self._split_ranks)
+        if self.spec.shard_optimizer_state or split is not None:  # its state_dict() is this rank's: say so
+            self._hooks += mark_state_dicts(self, optimizer, self.spec.shard_optimizer_state, split)
         return optimizer
 
     @property

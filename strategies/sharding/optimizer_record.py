@@ -27,9 +27,15 @@ class _Engine(Protocol):
     def optimizer_parameters(self, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]: ...
 
 
-def mark_state_dicts(engine: _Engine, optimizer: torch.optim.Optimizer) -> list[Any]:
-    """Add the record to `optimizer.state_dict()` and check it in `load_state_dict`; returns the hooks' handles."""
-    record = _record(engine, optimizer)
+def mark_state_dicts(
+    engine: _Engine, optimizer: torch.optim.Optimizer, sharded: bool = True, split: tuple[int, int] | None = None
+) -> list[Any]:
+    """Add the record to `optimizer.state_dict()` and check it in `load_state_dict`; returns the hooks' handles.
+    `sharded`: the state is this rank's shard over the data-parallel ranks; `split`: (rank, ranks) of the
+    tensor-parallel ranks, each holding the state of its own pieces of the split parameters."""
+    record = _record(engine, optimizer) if sharded else {}
+    if split is not None:
+        record["tensor_parallel_rank"], record["tensor_parallel_ranks"] = split
 
     def add(_optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
         return {**state_dict, RECORD: dict(record)}
@@ -56,6 +62,10 @@ def _record(engine: _Engine, optimizer: torch.optim.Optimizer) -> dict[str, Any]
 
 
 def _check(mine: dict[str, Any], saved: dict[str, Any] | None) -> None:
+    if "tensor_parallel_rank" in mine:
+        _check_split(mine, saved)
+    if "rank" not in mine:
+        return
     where = f"this optimizer steps rank {mine['rank']}'s shard of the optimizer state of {mine['ranks']} ranks"
     advice = (
         "A sharded optimizer's state_dict() is one rank's shard. Save model and optimizer together with "
@@ -77,4 +87,18 @@ def _check(mine: dict[str, Any], saved: dict[str, Any] | None) -> None:
         raise ValueError(
             f"optimizer.load_state_dict: {where}, but this state dict is a shard of another layout "
             "(another model, wrap policy or strategy shards the parameters differently). " + advice
+        )
+
+
+def _check_split(mine: dict[str, Any], saved: dict[str, Any] | None) -> None:
+    """Under tensor parallel: the state dict must be of the same tensor-parallel rank (the same pieces)."""
+    key = ("tensor_parallel_rank", "tensor_parallel_ranks")
+    if saved is None or (saved.get(key[0]), saved.get(key[1])) != (mine[key[0]], mine[key[1]]):
+        held = "no tensor-parallel pieces" if saved is None else f"tensor-parallel rank {saved.get(key[0])}'s pieces"
+        raise ValueError(
+            f"optimizer.load_state_dict: this optimizer steps tensor-parallel rank {mine[key[0]]}'s pieces of the "
+            f"split parameters (of {mine[key[1]]}), but this state dict holds {held}: the same shapes, other "
+            "values. Save model and optimizer with strategy.save(path, {'model': model, 'optimizer': optimizer}) "
+            "and restore them with strategy.load(path, state), or let every rank save and load its own "
+            "state_dict()."
         )
