@@ -4,6 +4,7 @@ rank holds, printed on rank 0 when fit starts."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from callbacks.base import Callback
@@ -61,14 +62,18 @@ class ModelSummary(Callback):
         """
         held = trainer.strategy.parameter_bytes()  # by the first name of each parameter
         first_names = {id(p): name for name, p in module.named_parameters()}
-        sharded = trainer.strategy.spec.shard_parameters and trainer.world_size > 1
+        shapes = trainer.strategy.model_state().shapes()  # whole tensors' (under tensor parallel, not the pieces')
+        numel = {id(p): math.prod(shapes[name][0]) for name, p in module.named_parameters()}
+        sharded = (
+            trainer.strategy.spec.shard_parameters or trainer.strategy.tensor_parallel_size > 1
+        ) and trainer.world_size > 1
         rows = []
         for name, layer in module.named_modules():
             depth = name.count(".") + 1 if name else 0
             if not name or depth > self.max_depth:
                 continue
             params = {id(p): p for p in layer.parameters()}
-            count = sum(p.numel() for p in params.values())
+            count = sum(numel[i] for i in params)
             nbytes = sum(held[first_names[i]] for i in params)
             rows.append([name, type(layer).__name__, _size(count)] + ([_mib(nbytes)] if sharded else []))
         header = ["Name", "Type", "Params"] + ([f"Per rank (of {trainer.world_size})"] if sharded else [])
@@ -76,8 +81,8 @@ class ModelSummary(Callback):
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header, *rows]]
         if rows:
             lines.insert(1, "-" * len(lines[0]))
-        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in module.parameters())
+        trainable = sum(numel[id(p)] for p in module.parameters() if p.requires_grad)
+        total = sum(numel[id(p)] for p in module.parameters())
         lines += [
             f"{_size(trainable)} trainable params, {_size(total - trainable)} non-trainable, {_size(total)} total",
             f"parameters held per rank ({trainer.strategy.describe()}): {_mib(sum(held.values()))}",

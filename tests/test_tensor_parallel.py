@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks import EMA
+from callbacks import EMA, ModelSummary
 from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel
 from strategies import DDPStrategy, FSDPStrategy, MixedPrecision, ZeroStrategy
 from tests.ranks import ROOT
@@ -139,9 +139,11 @@ def body_fit(optimizer: str, tensor_parallel_size: int) -> dict[str, dict[str, t
     """Every strategy with tensor parallel; each rank returns the full weights (put together from the pieces)."""
     out = {}
     for name in STRATEGIES:
-        trainer = fit(TinyLlama(optimizer), make_strategy(name, tensor_parallel_size), 4, PER_RANK_BATCH)
+        module = TinyLlama(optimizer)
+        trainer = fit(module, make_strategy(name, tensor_parallel_size), 4, PER_RANK_BATCH)
         assert trainer.strategy.data_parallel_size == 4 // tensor_parallel_size
         out[name] = trainer.strategy.full_state_dict()
+        out[f"{name} summary"] = ModelSummary().table(trainer, module)  # the whole model's counts
     return out
 
 
@@ -267,7 +269,9 @@ def body_optimizer_state_dict_of_rank_zero() -> str:
 def test_dp2_x_tp2_gives_one_process_weights_under_every_strategy(rank_pool, optimizer):
     want = fit(TinyLlama(optimizer), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
     results = rank_pool(4).run(body_fit, optimizer, 2)
+    total = sum(p.numel() for p in Llama(CONFIG).parameters())
     for name in STRATEGIES:
+        assert f"{total / 1000:.1f} K total" in results[0][f"{name} summary"], results[0][f"{name} summary"]
         got = results[0][name]
         assert max_relative_difference(got, want) <= TOLERANCE[optimizer], name
         assert all(torch.equal(got[k], results[3][name][k]) for k in got), name  # the same on every rank
