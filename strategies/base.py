@@ -491,7 +491,7 @@ class Strategy:
             ValueError: if `state` does not hold the set-up model exactly once, holds another module, or uses the
                 checkpoint's reserved key.
         """
-        plain_loop.save(self.engine, repr(self), path, state)
+        plain_loop.save(self.engine, repr(self), path, state, self._as_stored)
 
     def load(self, path: str | os.PathLike, state: dict[str, Any], trust_pickled: bool = False) -> dict[str, Any]:
         """Restore `state` in place from a checkpoint of `save` (or of the Trainer), written under any strategy and
@@ -516,20 +516,22 @@ class Strategy:
                 checkpoint does not fit the model (names, shapes) or lacks one of `state`'s keys; a
                 `CheckpointError` (a ValueError) without `trust_pickled` if it holds pickled objects of other types.
         """
-        return plain_loop.load(self.engine, path, state, trust_pickled)
+        return plain_loop.load(self.engine, path, state, trust_pickled, self._as_stored)
 
     # ---- state ----------------------------------------------------------------------------------------------
     def model_state(self) -> ModelShards:
         """The set-up model's state as checkpoints read and write it (docs/architecture.md, "Checkpoints"): each
         rank's own pieces, by parameter name, loaded in place under any strategy and world size."""
-        state = ModelShards(self.engine)
-        return state if self.tensor_parallel is None else TensorParallelState(state, self.tensor_parallel)
+        return self._as_stored(ModelShards(self.engine))
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> OptimizerShards:
         """A set-up optimizer's state as checkpoints read and write it, keyed as torch's `get_state_dict` keys it
         (`group_names`: the parameter names of each group)."""
-        state = OptimizerShards(self.engine, optimizer, group_names)
-        return state if self.tensor_parallel is None else TensorParallelState(state, self.tensor_parallel)
+        return self._as_stored(OptimizerShards(self.engine, optimizer, group_names))
+
+    def _as_stored(self, owner: Any) -> Any:
+        """The engine's owner of state as checkpoints hold it: under tensor parallel in the full tensors' shapes."""
+        return owner if self.tensor_parallel is None else TensorParallelState(owner, self.tensor_parallel)
 
     def master_pieces(self) -> list[engine_state.MasterPiece]:
         """This rank's pieces of the weights, nothing gathered: (name, shape, start, data, trainable), `data` a 1-D

@@ -262,6 +262,41 @@ def body_optimizer_state_dict_of_rank_zero() -> str:
     return "loaded"
 
 
+def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    (batch,) = tokens()[:4]  # the same batch on every rank
+    F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def plain_loop(strategy, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Llama(CONFIG)
+    if strategy.tensor_parallel_size > 1:
+        tensor_parallel(model, strategy.device_mesh["tensor_parallel"])
+    model = strategy.setup_module(model)
+    return model, strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01, eps=1e-6))
+
+
+def body_plain_save(path: str) -> dict[str, torch.Tensor]:
+    """A plain loop at ddp tp 2: a step, strategy.save, another step; the weights then."""
+    strategy = DDPStrategy(tensor_parallel_size=2)
+    model, optimizer = plain_loop(strategy, seed=0)
+    plain_step(model, optimizer)
+    strategy.save(path, {"model": model, "optimizer": optimizer, "step": 1})
+    plain_step(model, optimizer)
+    return strategy.full_state_dict()
+
+
+def body_plain_load(path: str) -> dict[str, torch.Tensor]:
+    """Plain fsdp on two ranks (no tensor parallel): strategy.load of that checkpoint, then the second step."""
+    strategy = FSDPStrategy()
+    model, optimizer = plain_loop(strategy, seed=1)  # other weights: all of them come from the checkpoint
+    assert strategy.load(path, {"model": model, "optimizer": optimizer}) == {"step": 1}
+    plain_step(model, optimizer)
+    return strategy.full_state_dict()
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 
 
@@ -444,3 +479,10 @@ def test_rank_zeros_optimizer_state_dict_is_refused_on_the_other_tensor_parallel
     assert results[0] == results[2] == "loaded"  # tensor-parallel rank 0: its own pieces (ddp replicates them)
     for message in (results[1], results[3]):
         assert "tensor-parallel rank 1's pieces" in message and "rank 0's pieces" in message
+
+
+def test_a_plain_loops_strategy_save_under_tensor_parallel_loads_without(rank_pool, tmp_path):
+    path = str(tmp_path / "plain")
+    want = rank_pool(4).run(body_plain_save, path)[0]
+    got = rank_pool(2).run(body_plain_load, path)[0]
+    assert max_relative_difference(got, want) <= TOLERANCE["adamw"]

@@ -14,9 +14,11 @@ keys, so that any strategy and world size loads them; every other entry from ran
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..sharding import ShardingEngine
@@ -27,12 +29,19 @@ from .format import META
 from .writer import CheckpointWriter
 
 
-def save(engine: ShardingEngine | None, strategy: str, path: str | os.PathLike, state: dict[str, Any]) -> None:
+def save(
+    engine: ShardingEngine | None,
+    strategy: str,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    as_stored: Callable[[Any], Any] = lambda owner: owner,
+) -> None:
     """Write `state` as a checkpoint at `path` (`strategy`: its description, for the checkpoint's). Collective:
-    every rank calls it with its own objects."""
+    every rank calls it with its own objects. `as_stored`: the engine's owners of state as checkpoints hold them
+    (under tensor parallel, in the full tensors' coordinates)."""
     model_key, optimizers, objects = _split(engine, state, "save")
-    states = _owners(engine, model_key, optimizers, {key: _Object(state, key) for key in objects})
-    world_size = engine.groups.data_parallel_size
+    states = _owners(engine, model_key, optimizers, {key: _Object(state, key) for key in objects}, as_stored)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     meta = describe(states[model_key], optimizers, world_size, strategy)
     meta["optimizers"] = [{**d, "key": key} for d, (key, _, _) in zip(meta["optimizers"], optimizers)]
     meta.update({"model_key": model_key, "objects": sorted(objects)})
@@ -42,7 +51,11 @@ def save(engine: ShardingEngine | None, strategy: str, path: str | os.PathLike, 
 
 
 def load(
-    engine: ShardingEngine | None, path: str | os.PathLike, state: dict[str, Any], trust_pickled: bool = False
+    engine: ShardingEngine | None,
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    trust_pickled: bool = False,
+    as_stored: Callable[[Any], Any] = lambda owner: owner,
 ) -> dict[str, Any]:
     """Restore `state` in place from the checkpoint at `path` (of `save` or of the Trainer), resharded to this
     engine's strategy and world size: the model and optimizers in place, objects with `load_state_dict` through
@@ -55,7 +68,7 @@ def load(
     stored_objects = {
         key: _Object(state if key in objects else {}, key, returned) for key in _top_level_objects(loading)
     }
-    states = _owners(engine, model_key, optimizers, stored_objects)
+    states = _owners(engine, model_key, optimizers, stored_objects, as_stored)
     saved = loading.read(states)
     compared = [
         (optimizer, names, saved.get(key, {}), saved_class(loading.meta, key)) for key, optimizer, names in optimizers
@@ -69,10 +82,16 @@ def load(
     return returned
 
 
-def _owners(engine: ShardingEngine, model_key: str, optimizers: Optimizers, objects: dict[str, Any]) -> dict:
+def _owners(
+    engine: ShardingEngine,
+    model_key: str,
+    optimizers: Optimizers,
+    objects: dict[str, Any],
+    as_stored: Callable[[Any], Any],
+) -> dict:
     """The checkpoint's owners of state: the engine's shards of the model and optimizers, then the objects."""
-    states: dict[str, Any] = {model_key: ModelShards(engine)}
-    states.update({key: OptimizerShards(engine, optimizer, names) for key, optimizer, names in optimizers})
+    states: dict[str, Any] = {model_key: as_stored(ModelShards(engine))}
+    states.update({key: as_stored(OptimizerShards(engine, o, names)) for key, o, names in optimizers})
     return {**states, **objects}
 
 
