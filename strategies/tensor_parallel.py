@@ -137,7 +137,37 @@ class TensorParallelParameters:
                 module.__dict__.pop(name, None)
             return output
 
-        return [owner.register_forward_pre_hook(as_dtensors), owner.register_forward_hook(as_plain)]
+        def state_dict_as_dtensors(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+            for name, layout in layouts.items():  # as FSDP2 gives them (keep_vars=True: the engine's own reads)
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and not isinstance(value, (DTensor, nn.Parameter)):
+                    state_dict[prefix + name] = self.dtensor(value, layout)
+
+        def load_local_pieces(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+            for name, layout in layouts.items():
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = self.local_piece(prefix + name, state_dict[prefix + name], layout)
+
+        return [
+            owner.register_forward_pre_hook(as_dtensors),
+            owner.register_forward_hook(as_plain),
+            owner.register_state_dict_post_hook(state_dict_as_dtensors),
+            owner.register_load_state_dict_pre_hook(load_local_pieces),
+        ]
+
+    def local_piece(self, key: str, value: torch.Tensor, layout: TensorParallelLayout) -> torch.Tensor:
+        """This rank's piece of a value `module.load_state_dict` is given: a DTensor (as `state_dict()` gives
+        them) or a whole tensor (a plain state dict, pretrained weights). A tensor of the piece's shape is refused:
+        it may be another rank's piece."""
+        if isinstance(value, DTensor):
+            return value.redistribute(self.mesh, layout.placements).to_local()
+        if tuple(value.shape) == tuple(layout.shape):
+            return value[tuple(slice(o, o + n) for o, n in zip(layout.offsets, layout.local_shape))]
+        raise ValueError(
+            f"load_state_dict: {key!r} is split by tensor parallel (whole shape {list(layout.shape)}, this rank's "
+            f"piece {list(layout.local_shape)}); give the whole tensor or the DTensor state_dict() returns, not a "
+            f"tensor of shape {list(value.shape)} (one rank's piece of it, maybe another rank's)"
+        )
 
     def dtensor(self, local: torch.Tensor, layout: TensorParallelLayout) -> DTensor:
         """The local piece as a DTensor of the full shape (differentiable)."""

@@ -9,11 +9,13 @@ import dataclasses
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -297,6 +299,26 @@ def body_plain_load(path: str) -> dict[str, torch.Tensor]:
     return strategy.full_state_dict()
 
 
+def body_module_state_dict() -> dict[str, Any]:
+    """module.state_dict() and load_state_dict under ddp at tp 2, as torch users call them."""
+    torch.manual_seed(0)
+    full = Llama(CONFIG).state_dict()
+    strategy = DDPStrategy(tensor_parallel_size=2)
+    model, _ = plain_loop(strategy, seed=1)
+    pieces = model.state_dict()
+    kinds = {type(v).__name__ for v in pieces.values()}
+    model.load_state_dict(full)  # a whole state dict, such as pretrained weights
+    loaded = strategy.full_state_dict()
+    model.load_state_dict(pieces)  # DTensors, as state_dict() gave them
+    rank0_pieces = strategy.broadcast({k: v.to_local() if isinstance(v, DTensor) else v for k, v in pieces.items()})
+    try:
+        model.load_state_dict(rank0_pieces)  # the DDP habit: rank 0's tensors on every rank
+        refused = None
+    except (ValueError, RuntimeError) as error:
+        refused = str(error)
+    return {"kinds": kinds, "loaded": max_relative_difference(loaded, full), "refused": refused}
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 
 
@@ -486,3 +508,11 @@ def test_a_plain_loops_strategy_save_under_tensor_parallel_loads_without(rank_po
     want = rank_pool(4).run(body_plain_save, path)[0]
     got = rank_pool(2).run(body_plain_load, path)[0]
     assert max_relative_difference(got, want) <= TOLERANCE["adamw"]
+
+
+def test_module_state_dict_gives_dtensors_and_load_state_dict_takes_whole_tensors(rank_pool):
+    results = rank_pool(4).run(body_module_state_dict)
+    for rank, result in enumerate(results):
+        assert result["kinds"] == {"DTensor"}, rank  # the plan makes every parameter a DTensor (norms: replicated)
+        assert result["loaded"] == 0, rank
+        assert "is split by tensor parallel" in result["refused"], rank
