@@ -104,11 +104,8 @@ class FSDPStrategy(Strategy):
     def model_init_context(self) -> Iterator[None]:
         """The context `configure_model` runs under: the model is built on the meta device, recording how each
         tensor is made, so no memory is used until each rank materializes its shards, unit by unit, with exactly
-        the values the eager construction makes. Under tensor parallel the model is built eagerly: torch's
-        `parallelize_module` then keeps each rank's piece of every layer it splits."""
-        if self.tensor_parallel_size > 1:
-            yield
-            return
+        the values the eager construction makes. Under tensor parallel, torch's `parallelize_module` in
+        `configure_model` splits the meta tensors too, and each rank's pieces are replayed the same way."""
         with deferred_init() as record:
             self._init_record = record
             yield

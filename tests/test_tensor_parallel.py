@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks import EMA, ModelSummary
+from callbacks import EMA, Callback, ModelSummary
 from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel
 from strategies import DDPStrategy, FSDPStrategy, MixedPrecision, ZeroStrategy
 from tests.ranks import ROOT
@@ -319,6 +319,27 @@ def body_module_state_dict() -> dict[str, Any]:
     return {"kinds": kinds, "loaded": max_relative_difference(loaded, full), "refused": refused}
 
 
+class StartingWeights(Callback):
+    """The whole model's weights when fit starts (after set-up, before any step)."""
+
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self.weights = trainer.strategy.full_state_dict()
+
+
+class MemorylessLlama(TinyLlama):
+    def configure_model(self) -> None:
+        super().configure_model()
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        self.held_no_memory = all(t.data_ptr() == 0 for t in local)  # meta tensors (that look like CPU ones)
+
+
+def body_meta_init() -> tuple[bool, dict[str, torch.Tensor]]:
+    """FSDPStrategy builds configure_model's model on the meta device, split by tensor parallel there too."""
+    starting, module = StartingWeights(), MemorylessLlama("sgd")
+    fit(module, make_strategy("fsdp", 2), 4, PER_RANK_BATCH, steps=1, callbacks=[starting])
+    return module.held_no_memory, starting.weights
+
+
 # ------------------------------------------------------------------------------------------------------ tests
 
 
@@ -516,3 +537,12 @@ def test_module_state_dict_gives_dtensors_and_load_state_dict_takes_whole_tensor
         assert result["kinds"] == {"DTensor"}, rank  # the plan makes every parameter a DTensor (norms: replicated)
         assert result["loaded"] == 0, rank
         assert "is split by tensor parallel" in result["refused"], rank
+
+
+def test_built_on_meta_and_split_equals_built_eagerly(rank_pool):
+    """Invariant 7 under tensor parallel: each rank's pieces replayed from the meta-device record, bit for bit."""
+    torch.manual_seed(0)
+    eager = {f"model.{k}": v for k, v in Llama(CONFIG).state_dict().items()}
+    for rank, (held_no_memory, weights) in enumerate(rank_pool(4).run(body_meta_init)):
+        assert held_no_memory, rank
+        assert max_relative_difference(weights, eager) == 0, rank

@@ -56,6 +56,8 @@ META, CPU = torch.device("meta"), torch.device("cpu")
 # ---- building on the meta device, recording ----------------------------------------------------------------
 aten = torch.ops.aten
 _PASS_THROUGH = {aten.lift_fresh.default, aten.lift_fresh_copy.default}  # torch.tensor(data): real data
+_SCATTER = torch.ops.c10d.scatter_.default
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 _LOOKS = {torch.Tensor.is_meta.__get__: False, torch.Tensor.is_cpu.__get__: True, torch.Tensor.device.__get__: CPU}
 _READS_VALUES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
 
@@ -75,6 +77,10 @@ class _Recording(TorchDispatchMode):
     def __init__(self, record: InitRecord) -> None:
         super().__init__()
         self.record = record
+        # How DTensor's distribute_tensor hands out a split tensor (see `_scatter`): its chunks, by each chunk.
+        self._chunks: dict[TensorRef, tuple[torch.Tensor, ...]] = {}
+        self._copied_from: dict[TensorRef, torch.Tensor] = {}  # a contiguous copy of a chunk -> the chunk
+        self._made_like: dict[int, torch.Tensor] = {}  # storage key -> what `empty_like` took its shape from
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -90,9 +96,42 @@ class _Recording(TorchDispatchMode):
             return func(*args, **kwargs)  # real tensors in, real tensors out
         if _reads_values(func, args, kwargs):
             return func(*_replayed(self.record, args), **_replayed(self.record, kwargs))
+        if func is _SCATTER:
+            return self._scatter(func, args, kwargs)
         if _has_device(func) and _device(kwargs) in (None, CPU):
             kwargs = {**kwargs, "device": META}  # the CPU (the default) is the meta device here
-        return self.record.record(func, args, kwargs)
+        out = self.record.record(func, args, kwargs)
+        self._follow_chunks(func, args, out)
+        return out
+
+    def _follow_chunks(self, func: Any, args: tuple, out: Any) -> None:
+        """Note where the chunks of a split tensor come from (for `_scatter`)."""
+        if func in _SPLITS and isinstance(out, (list, tuple)):
+            chunks = tuple(out)
+            self._chunks.update({TensorRef.of(c): chunks for c in chunks if c.is_meta})
+        elif func is aten.clone.default and args[0].is_meta:
+            self._copied_from[TensorRef.of(out)] = args[0]
+        elif func is aten.empty_like.default and args[0].is_meta:
+            self._made_like[storage_key(out)] = args[0]
+
+    def _scatter(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A scatter of a split tensor's chunks into a tensor made by `empty_like` of one of them: how DTensor's
+        `distribute_tensor` gives each rank its piece (torch's tensor parallel splitting a layer on the meta
+        device). Every rank built the same tensor here, so the piece it receives is its own chunk of it: recorded
+        as a copy of that chunk (the chunk at this rank's place in the scatter's group)."""
+        out = func(*args, **kwargs)  # on meta tensors nothing is sent
+        rank = dist.ProcessGroup.unbox(args[2]).rank()
+        for output in args[0]:
+            like = self._made_like.get(storage_key(output)) if output.is_meta else None
+            chunk = None if like is None else self._copied_from.get(TensorRef.of(like), like)
+            chunks = None if chunk is None else self._chunks.get(TensorRef.of(chunk))
+            if chunks is None or chunks[rank].shape != output.shape:
+                raise RuntimeError(
+                    "a scatter into a tensor on the meta device (deferred_init) that is not an even split of a "
+                    "recorded tensor: its value cannot be reproduced; build the model eagerly"
+                )
+            self.record.record(aten.copy_.default, (output, chunks[rank]), {})
+        return out
 
 
 class _LooksLikeCPU(TorchFunctionMode):
