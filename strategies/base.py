@@ -35,7 +35,6 @@ from .tensor_parallel import (
     TensorParallelParameters,
     TensorParallelState,
     check_tensor_parallel_size,
-    clip_grad_norm_across,
     make_device_mesh,
     resolve_tensor_parallel_size,
 )
@@ -425,29 +424,7 @@ class Strategy:
         if algorithm == "value":
             engine_gradients.clip_grad_value_(self.engine, max_norm, params)
             return None
-        if self.tensor_parallel is not None:
-            return self._clip_tensor_parallel(max_norm, params)
         return engine_gradients.clip_grad_norm_(self.engine, max_norm, params)
-
-    def _clip_tensor_parallel(self, max_norm: float, params: list[torch.Tensor] | None) -> torch.Tensor:
-        """The norm over the data- and tensor-parallel ranks: a piece that differs between the tensor-parallel
-        ranks counts on each, one they all hold counts once."""
-        named = [(n, p) for n, p in self.engine.module.named_parameters()]
-        wanted = None if params is None else {id(p) for p in params}
-        chosen = [(n, p) for n, p in named if wanted is None or id(p) in wanted]
-        split = self.tensor_parallel.sharded_names()
-        sharded = engine_gradients.gradient_tensors(self.engine, [p for n, p in chosen if n in split])
-        replicated = engine_gradients.gradient_tensors(self.engine, [p for n, p in chosen if n not in split])
-        engine = self.engine
-        return clip_grad_norm_across(
-            sharded,
-            replicated,
-            max_norm,
-            engine.groups.shard,
-            self.device_mesh[TENSOR_PARALLEL].get_group(),
-            engine.spec.shard_optimizer_state and engine.world_size > 1,
-            engine.device,
-        )
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""

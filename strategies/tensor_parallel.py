@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -194,37 +193,6 @@ def _offsets(shape: torch.Size, local_shape: torch.Size, placements: Any, mesh: 
             chunk = math.ceil(shape[dim] / size)
             offsets[dim] += chunk * mesh.get_local_rank(mesh_dim)
     return tuple(offsets)
-
-
-def clip_grad_norm_across(
-    grads_sharded: list[torch.Tensor],
-    grads_replicated: list[torch.Tensor],
-    max_norm: float,
-    data_parallel_group: Any,
-    tensor_parallel_group: Any,
-    sum_over_data_parallel: bool,
-    device: torch.device,
-) -> torch.Tensor:
-    """Scale the gradients so that their L2 norm over every rank is at most `max_norm`; return the norm before.
-    `grads_sharded` differ between the tensor-parallel ranks (their squares are summed over them), the others are
-    the same on each; with `sum_over_data_parallel` each data-parallel rank holds its own slice of them."""
-    squares = [
-        sum(
-            (torch.linalg.vector_norm(g).square().to(device, torch.float32) for g in grads),
-            torch.zeros((), device=device),
-        )
-        for grads in (grads_sharded, grads_replicated)
-    ]
-    both = torch.stack(squares)
-    if sum_over_data_parallel:
-        dist.all_reduce(both, group=data_parallel_group)
-    sharded = both[0].clone()
-    dist.all_reduce(sharded, group=tensor_parallel_group)
-    total = (sharded + both[1]).sqrt()
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in [*grads_sharded, *grads_replicated]:
-        grad.mul_(coefficient.to(grad.device, grad.dtype))
-    return total
 
 
 # ---- checkpoints: the local pieces in the full tensors' coordinates ----------------------------------------------

@@ -645,6 +645,8 @@ _REDUCE_OP = {math.inf: dist.ReduceOp.MAX, -math.inf: dist.ReduceOp.MIN}
 def _over_split_ranks(contributions: torch.Tensor, groups: list[Any], ord: float) -> torch.Tensor:
     """The contributions of gradients that are pieces of tensors split over other ranks too (tensor parallel),
     combined over those ranks: one all-reduce per group, the others untouched."""
+    if all(g is None for g in groups):
+        return contributions
     contributions = contributions.clone()
     for group in {id(g): g for g in groups if g is not None}.values():
         chosen = [i for i, g in enumerate(groups) if g is group]
@@ -853,8 +855,36 @@ def gradient_tensors(engine: _Engine, params: list[torch.Tensor] | None = None) 
 
 def clip_grad_norm_(engine: _Engine, max_norm: float, params: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Scale gradients (of `params`, or all) so that their global L2 norm over every rank is <= max_norm. The
-    norm is computed in the gradients' own dtype (the widest, if they differ), as torch's clip_grad_norm_."""
-    grads = gradient_tensors(engine, params)
+    norm is computed in the gradients' own dtype (the widest, if they differ), as torch's clip_grad_norm_.
+    Pieces of tensors split over other ranks too (ShardingEngine.split_elsewhere) add their squares over those
+    ranks; what every such rank holds alike counts once."""
+    split = {id(unit.params[i]): group for unit in engine.units for i, group in unit.grads.split.items()}
+    if not split:
+        parts = [(gradient_tensors(engine, params), None)]
+    else:
+        chosen = [p for unit in engine.units for p in unit.params] if params is None else params
+        groups = {id(g): g for g in split.values()}
+        parts = [(gradient_tensors(engine, [p for p in chosen if id(p) not in split]), None)]
+        parts += [
+            (gradient_tensors(engine, [p for p in chosen if split.get(id(p)) is group]), group)
+            for group in groups.values()
+        ]
+    total = None
+    for grads, group in parts:
+        part = _sum_of_squares(engine, grads)
+        if group is not None:
+            dist.all_reduce(part, group=group)
+        total = part if total is None else total + part.to(total.dtype)
+    total = total.sqrt()
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grads, _ in parts:
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
+    return total
+
+
+def _sum_of_squares(engine: _Engine, grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of `grads` over the ranks that shard them."""
     squares = [torch.linalg.vector_norm(g).square() for g in grads]
     dtype = functools.reduce(torch.promote_types, (s.dtype for s in squares), torch.float32)
     total = torch.zeros((), dtype=dtype, device=engine.device)
@@ -863,10 +893,6 @@ def clip_grad_norm_(engine: _Engine, max_norm: float, params: list[torch.Tensor]
     if engine.spec.shard_optimizer_state and engine.world_size > 1:
         with collective("all_reduce", "<gradient norm>", 1, engine.groups.shard):
             dist.all_reduce(total, group=engine.groups.shard)
-    total = total.sqrt()
-    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in grads:
-        grad.mul_(coefficient.to(grad.device, grad.dtype))
     return total
 
 
