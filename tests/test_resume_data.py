@@ -495,3 +495,84 @@ def test_litdata_resumes_from_its_own_state_on_fewer_ranks(rank_pool, tmp_path, 
     if after == before:
         assert resumed["trained"] == [rank[32 // before :] for rank in straight["trained"]]
         assert_states_close(resumed["weights"], straight["weights"], atol=0)
+
+
+# ------------------------------------------------------------------ MosaicML's StreamingDataset, in its MDS format
+
+MDS_ROWS = 48  # 8 shards of 6 rows; global batches of 8: 6 steps an epoch
+
+
+@pytest.fixture(scope="module")
+def mds_data(tmp_path_factory) -> str:
+    """48 rows written by MosaicML's own `MDSWriter` (its `.mds` shards and `index.json`), 6 rows a shard."""
+    streaming = pytest.importorskip("streaming")
+    folder = str(tmp_path_factory.mktemp("mds") / "rows")
+    columns = {"idx": "int", "x": f"ndarray:float32:{FEATURES}", "y": "ndarray:float32:1"}
+    with streaming.MDSWriter(out=folder, columns=columns, size_limit=6 * 80) as writer:
+        for index in range(MDS_ROWS):
+            row = _lit_row(index)
+            writer.write({"idx": index, "x": row["x"].numpy(), "y": row["y"].numpy()})
+    return folder
+
+
+def fit_mds(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
+    """A run on MosaicML's shuffled stream, which splits itself by rank: the weights, every rank's rows trained."""
+    from streaming import StreamingDataLoader, StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    from callbacks import ModelCheckpoint
+
+    clean_stale_shared_memory()  # what an earlier run in this process left behind
+    seed_everything(0)
+    devices = dist.get_world_size() if dist.is_initialized() else 1
+    dataset = StreamingDataset(local=data, shuffle=True, shuffle_seed=3, batch_size=LIT_BATCH)
+    loader = StreamingDataLoader(dataset, batch_size=LIT_BATCH, num_workers=workers)
+    saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    trainer = Trainer(
+        strategy=FSDPStrategy() if name == "fsdp" else name,
+        devices=devices,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[saver],
+        default_root_dir=root,
+        global_batch_size=8,
+    )
+    module = LitRegression()
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    trained = trainer.strategy.all_gather_object(module.trained)
+    return {"weights": trainer.strategy.full_state_dict(), "trained": trained}
+
+
+def body_mds(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
+    return fit_mds(os.path.join(root, f"{dist.get_world_size()}"), data, name, workers, max_steps, ckpt_path)
+
+
+@pytest.mark.parametrize(
+    "name, workers, before, after",
+    [
+        ("ddp", 0, 2, 2),  # the same world size: MosaicML's own state, exactly
+        ("zero2", 2, 2, 2),
+        ("fsdp", 2, 4, 2),  # with workers, 4 -> 2 ranks: MosaicML's elastic resume
+        ("zero2", 0, 2, 4),  # 2 -> 4 ranks
+        ("ddp", 0, 2, 1),  # 2 -> 1 rank
+    ],
+)
+def test_mosaicml_streaming_resumes_from_its_own_state(rank_pool, tmp_path, mds_data, name, workers, before, after):
+    """The first epoch's rows: those trained before the checkpoint of step 4 and those after it, each once; at the
+    same world size, the uninterrupted run's rows and weights exactly."""
+    from collections import Counter
+
+    straight = rank_pool(before).run(body_mds, str(tmp_path / "straight"), mds_data, name, workers, 12)[0]
+    checkpoint = str(tmp_path / "straight" / str(before) / "ckpt" / "step=4")
+    if after == 1:
+        resumed = fit_mds(str(tmp_path / "resumed"), mds_data, name, workers, 12, checkpoint)
+    else:
+        resumed = rank_pool(after).run(body_mds, str(tmp_path / "resumed"), mds_data, name, workers, 12, checkpoint)[0]
+    trained_before = [i for rank in straight["trained"] for i in rank[: 32 // before]]  # 4 steps of 8 rows
+    rest = [i for rank in resumed["trained"] for i in rank[: (MDS_ROWS - 32) // after]]
+    assert Counter(trained_before + rest) == {i: 1 for i in range(MDS_ROWS)}, (sorted(trained_before), sorted(rest))
+    if after == before:
+        assert resumed["trained"] == [rank[32 // before :] for rank in straight["trained"]]
+        assert_states_close(resumed["weights"], straight["weights"], atol=0)

@@ -7,9 +7,9 @@ A map-style loader the Trainer rebuilt with its own sampler keeps its position a
 that one works at any world size (global_batch.py). A stream whose state leaves out rows it holds (a HuggingFace
 shuffle buffer) keeps no state either: restored, the rows in the buffer at the checkpoint would never be trained, so
 a resume reads the epoch again and skips the batches trained, which is exact (the shuffle is seeded by the epoch).
-A loader's own state is per rank, so it is restored only at the world size that saved it (LitData's, which holds
-the global position, at any); at another, `fit(..., restore_loader_state=False)` re-reads the epoch's data from its
-start instead.
+A loader's own state is per rank, so it is restored only at the world size that saved it (LitData's and MosaicML's,
+which hold the global position, at any); at another, `fit(..., restore_loader_state=False)` re-reads the epoch's
+data from its start instead.
 
 The state is stored as plain Python types and tensors (NumPy arrays and scalars converted), so that a checkpoint
 reads back with `torch.load(weights_only=True)`.
@@ -126,11 +126,15 @@ class LoaderPosition:
         return True
 
 
+ELASTIC_LOADERS = {("litdata", "StreamingDataLoader"), ("streaming", "StreamingDataLoader")}
+
+
 def resumes_on_any_world_size(loader: Any) -> bool:
-    """Whether `loader`'s own state resumes on another number of ranks: LitData's `StreamingDataLoader`, whose state
-    holds the stream's global position (every rank's is alike) and which resumes it without repeating a sample
-    on a new number of ranks or workers (its elastic resume)."""
-    return type(loader).__module__.split(".")[0] == "litdata" and _has_state(loader)
+    """Whether `loader`'s own state resumes on another number of ranks: LitData's and MosaicML's
+    `StreamingDataLoader`, whose state holds the stream's global position (every rank's is alike) and which resume
+    it without repeating a sample on a new number of ranks or workers (their elastic resume)."""
+    kind = (type(loader).__module__.split(".")[0], type(loader).__name__)
+    return kind in ELASTIC_LOADERS and _has_state(loader)
 
 
 def check_world_size(path: str, saved_world_size: Any, world_size: int, loader: Any) -> None:
