@@ -257,10 +257,9 @@ def test_a_resumed_stream_reads_on_from_the_loaders_own_state(rank_pool, tmp_pat
         assert_states_close(resumed["weights"], straight["weights"], atol=0)
         assert not [w for w in straight["warnings"] + resumed["warnings"] if "same first training batch" in w]
         assert not [w for w in resumed["warnings"] if "loaded again" in w]
-    if stateful:  # per-rank state on another world size: an error naming the choices, or the opt-out
-        checkpoint = ranks[0]["checkpoint"]
-        with pytest.raises(ValueError, match=r"resume on 2 ranks, or pass fit\(\.\.\., restore_loader_state=False\)"):
-            fit_one_process(str(tmp_path / "one"), checkpoint)
+    if stateful:  # another world size: the rest of each rank's stream (test_a_split_huggingface_stream_...), or
+        checkpoint = ranks[0]["checkpoint"]  # the opt-out, which says what it does
+        assert all(torch.isfinite(w).all() for w in fit_one_process(str(tmp_path / "one"), checkpoint).values())
         with pytest.warns(UserWarning, match="some samples train twice and as many not at all"):
             weights = fit_one_process(str(tmp_path / "opt-out"), checkpoint, restore_loader_state=False)
         assert all(torch.isfinite(w).all() for w in weights.values())
@@ -314,10 +313,9 @@ def test_a_resumed_shuffled_stream_trains_every_row_of_the_epoch_once(rank_pool,
         assert_states_close(resumed["weights"], straight["weights"], atol=0)
         said = [w for w in resumed["warnings"] if "shuffle buffer" in w]
         assert len(said) == 1 and "exact" in said[0], (rank, resumed["warnings"])
-    if not stateful:  # on another number of ranks the stream splits otherwise: refused, or the opt-out says so
-        checkpoint = ranks[0]["checkpoint"]
-        with pytest.raises(ValueError, match=r"read by 2 ranks, and this run has 1.*restore_loader_state=False"):
-            fit_one_process(str(tmp_path / "one"), checkpoint, shuffle_buffer=6)
+    if not stateful:  # on another number of ranks: each rank's stream read again (test_a_split_huggingface_...),
+        checkpoint = ranks[0]["checkpoint"]  # or the opt-out, which says what it does
+        fit_one_process(str(tmp_path / "one"), checkpoint, shuffle_buffer=6)
         with pytest.warns(
             UserWarning,
             match=r"skips its first 24 samples \(24 in all\), so in this epoch some "
@@ -554,6 +552,7 @@ def body_mds(root: str, data: str, name: str, workers: int, max_steps: int, ckpt
     [
         ("ddp", 0, 2, 2),  # the same world size: MosaicML's own state, exactly
         ("zero2", 2, 2, 2),
+        ("hsdp", 0, 2, 2),
         ("fsdp", 2, 4, 2),  # with workers, 4 -> 2 ranks: MosaicML's elastic resume
         ("zero2", 0, 2, 4),  # 2 -> 4 ranks
         ("ddp", 0, 2, 1),  # 2 -> 1 rank
@@ -576,3 +575,97 @@ def test_mosaicml_streaming_resumes_from_its_own_state(rank_pool, tmp_path, mds_
     if after == before:
         assert resumed["trained"] == [rank[32 // before :] for rank in straight["trained"]]
         assert_states_close(resumed["weights"], straight["weights"], atol=0)
+
+
+# ------------------------------------------------------------------ a HuggingFace stream on another number of ranks
+
+ELASTIC_GLOBAL_BATCH = 12  # 3 optimizer steps an epoch of 36 rows, at any number of ranks
+
+
+class ElasticStreamRegression(StreamRegression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))  # no dropout: any world size
+
+    def training_step(self, batch, batch_idx):
+        self.trained += [(self.trainer.current_epoch, i) for i in batch["idx"].tolist()]
+        return F.mse_loss(self.net(batch["x"]), batch["y"])
+
+    def on_train_epoch_end(self) -> None:
+        if self.trainer.current_epoch == 0:  # the next epoch splits the stream as its number of ranks does
+            self.first_epoch_weights = self.trainer.strategy.full_state_dict()
+
+
+def fit_elastic_stream(
+    root: str, name: str, workers: int, stateful: bool, buffer: int | None, ckpt: str | None
+) -> dict:
+    """A run of 6 steps (two epochs) on the split stream at this pool's number of ranks, a checkpoint every step."""
+    from callbacks import ModelCheckpoint
+
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    root = os.path.join(root, str(world_size))
+    log_dir = os.path.join(root, f"rank{rank}")
+    os.makedirs(log_dir)
+    seed_everything(0)
+    saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    trainer = Trainer(
+        strategy=FSDPStrategy() if name == "fsdp" else name,
+        devices=world_size,
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[saver],
+        default_root_dir=root,
+        global_batch_size=ELASTIC_GLOBAL_BATCH,
+    )
+    module = ElasticStreamRegression()
+    loader = stream_loader(log_dir, rank, world_size, workers, stateful, shuffle_buffer=buffer)
+    trainer.fit(module, loader, ckpt_path=ckpt)
+    return {"weights": module.first_epoch_weights, "trained": trainer.strategy.all_gather_object(module.trained)}
+
+
+def _rows_of_epoch(epoch: int, runs: list[tuple[dict, int | None]]) -> list[int]:
+    """An epoch's rows trained by each run, over all its ranks: each rank's first `rows` (None: all)."""
+    trained = []
+    for run, rows in runs:
+        for ranks_rows in run["trained"]:
+            epoch_rows = [i for e, i in ranks_rows if e == epoch]
+            trained += epoch_rows[:rows]
+    return trained
+
+
+@pytest.mark.parametrize(
+    "name, workers, stateful, buffer, before, after",
+    [
+        ("ddp", 0, False, None, 2, 1),  # the dataset's own state, no workers: two ranks' parts read by one
+        ("fsdp", 2, True, None, 2, 4),  # torchdata's StatefulDataLoader and its workers: parts dealt to two ranks
+        ("zero2", 0, False, 6, 4, 2),  # a shuffle buffer: each old rank's stream read again and skipped
+    ],
+)
+def test_a_split_huggingface_stream_resumes_on_another_number_of_ranks(
+    rank_pool, tmp_path, name, workers, stateful, buffer, before, after
+):
+    """A checkpoint after step 1 (12 of the epoch's 36 rows), resumed on another number of ranks with the same
+    global batch: every row of the epoch trained once, the epoch ends with the uninterrupted run's weights, and the
+    next epoch reads the stream as split for the new number of ranks, each row once. Then a checkpoint written
+    inside that resumed epoch, resumed on a third number of ranks: the same."""
+    from collections import Counter
+
+    def run(ranks: int, root: str, ckpt: str | None) -> dict:
+        if ranks == 1:
+            return fit_elastic_stream(str(tmp_path / root), name, workers, stateful, buffer, ckpt)
+        return rank_pool(ranks).run(fit_elastic_stream, str(tmp_path / root), name, workers, stateful, buffer, ckpt)[0]
+
+    every_row_once = {i: 1 for i in range(ROWS)}
+    straight = run(before, "straight", None)
+    resumed = run(after, "resumed", str(tmp_path / "straight" / str(before) / "ckpt" / "step=1"))
+    before_rows, after_rows = ELASTIC_GLOBAL_BATCH // before, ELASTIC_GLOBAL_BATCH // after  # each rank's, a step
+    assert Counter(_rows_of_epoch(0, [(straight, before_rows), (resumed, None)])) == every_row_once
+    assert Counter(_rows_of_epoch(1, [(resumed, None)])) == every_row_once
+    assert_states_close(resumed["weights"], straight["weights"], atol=1e-5)
+    third = 1 if after != 1 else 4
+    again = run(third, "again", str(tmp_path / "resumed" / str(after) / "ckpt" / "step=2"))
+    runs = [(straight, before_rows), (resumed, after_rows), (again, None)]
+    assert Counter(_rows_of_epoch(0, runs)) == every_row_once
+    assert_states_close(again["weights"], straight["weights"], atol=1e-5)

@@ -60,6 +60,13 @@ def save(
 
 
 # ---- loading ------------------------------------------------------------------------------------------------
+def _listed(stored: str | dict[int, str] | None) -> list[str]:
+    """The checkpoint keys an owner's `_stored_key` names."""
+    if stored is None:
+        return []
+    return list(stored.values()) if isinstance(stored, dict) else [stored]
+
+
 class Loading:
     """A checkpoint being loaded into owners of state: open it, `read` what it holds for them, check that, then
     `load`. Collective.
@@ -91,17 +98,25 @@ class Loading:
         self.states = states
         sharded = {key for key, owner in states.items() if is_sharded(owner)}
         stored = {key: self._stored_key(key, owner) for key, owner in states.items() if key not in sharded}
-        wanted = [k for k in stored.values() if k is not None] + object_keys(self.source, sharded)
+        wanted = [k for ks in stored.values() for k in _listed(ks)] + object_keys(self.source, sharded)
         objects = read_on_every_rank(lambda: self.source.read({k: None for k in wanted}))
-        self.saved = {key: objects[k] for key, k in stored.items() if k is not None}
+        self.saved = {}
+        for key, k in stored.items():
+            if isinstance(k, dict):  # every source rank's state
+                self.saved[key] = {rank: objects[item] for rank, item in k.items()}
+            elif k is not None:
+                self.saved[key] = objects[k]
         for key in sharded:
             self.saved[key] = entries_under(self.source, key, objects)
         return self.saved
 
-    def _stored_key(self, key: str, owner: Any) -> str | None:
-        """The key an object owner reads (per rank: that of its source rank), if the checkpoint has it."""
+    def _stored_key(self, key: str, owner: Any) -> str | dict[int, str] | None:
+        """The key an object owner reads (per rank: that of its source rank; of several source ranks, the keys
+        the checkpoint has by rank), if the checkpoint has it."""
         if isinstance(owner, PerRank):
             source_rank = owner.source_rank(self.meta.get("world_size"))
+            if isinstance(source_rank, list):
+                return {r: f"{key}.{r}" for r in source_rank if f"{key}.{r}" in self.source.paths}
             key = None if source_rank is None else f"{key}.{source_rank}"
         return key if key in self.source.paths else None
 

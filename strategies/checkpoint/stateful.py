@@ -9,7 +9,7 @@ An owner's state is stored in one of three ways:
 
 - whole, by rank 0 (any `Stateful`): a scheduler, the trainer state; every rank reads it whole;
 - one per rank (`PerRank`): each rank writes its own, and reads the one `source_rank` names under the
-  checkpoint's world size (RNG states, a loader's position);
+  checkpoint's world size, or every saved rank's as a dict by rank (RNG states, a loader's position);
 - as pieces (`ShardedState`): each rank writes its own pieces of large tensors (`FlatPieces`; whole tensors from
   rank 0) and reads in place only the chunks that overlap the pieces it holds now, under any strategy and world
   size (the model's and optimizers' shards, an average of the weights).
@@ -51,10 +51,11 @@ class PerRank:
     Args:
         owner: the state's owner; its `state_dict()` may return None (nothing to write now).
         rank: this rank.
-        source_rank: the rank whose saved state this rank reads, given the checkpoint's world size (None: none).
+        source_rank: the rank whose saved state this rank reads, given the checkpoint's world size (None: none;
+            a list of ranks: each of their states, as a dict by rank, those a rank wrote).
     """
 
-    def __init__(self, owner: Stateful, rank: int, source_rank: Callable[[int], int | None]) -> None:
+    def __init__(self, owner: Stateful, rank: int, source_rank: Callable[[int], int | list[int] | None]) -> None:
         self.owner, self.rank, self.source_rank = owner, rank, source_rank
 
     def state_dict(self) -> Any:

@@ -47,7 +47,8 @@ def states_to_load(trainer: Trainer, stored: set[str], weights_only: bool, with_
     rank, world_size = trainer.global_rank, trainer.world_size
     states[RNG] = PerRank(RandomState(), rank, lambda saved: rank if saved == world_size else None)
     if with_loader:
-        states[LOADER] = PerRank(trainer.loader_position, rank, lambda saved: rank % (saved or world_size))
+        # every rank's position, by rank: another world size hands them on (trainer/data/stream_remainder.py)
+        states[LOADER] = PerRank(trainer.loader_position, rank, lambda saved: list(range(saved or world_size)))
     return states
 
 

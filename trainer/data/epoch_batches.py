@@ -29,10 +29,11 @@ def epoch_batches(trainer: Trainer, loader: Any, skip: int) -> tuple[Any, Iterat
     if trainer.state.epoch_complete:
         return loader, iter(()), False
     resume_rng = rng_state() if skip else None  # the checkpoint's
-    restored = bool(skip) and trainer.loader_position.restore()
+    source = trainer.loader_position.epoch_source(loader)  # a resumed stream's remainder (stream_remainder.py)
+    restored = source is not loader or (bool(skip) and trainer.loader_position.restore())
     empty = False
-    if loader_length(loader) is None:
-        batches: Any = Lookahead(loader, trainer.loader_position)
+    if source is not loader or loader_length(loader) is None:
+        batches: Any = Lookahead(source, trainer.loader_position)
         strategy = trainer.strategy
         if strategy.distributed and not strategy.reduce_boolean_decision(batches.has_next):
             batches.close()  # some rank has no batch at all: the epoch is empty on every rank

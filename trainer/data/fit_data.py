@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .global_batch import DataLayout, layout_of, resumed_batches, warn_if_the_global_batch_changed
 from .loader_state import check_world_size
 from .loaders import limit_batches, stop_persistent_workers
+from .stream_remainder import remainder_to_read
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -43,15 +44,19 @@ class FitLoaders:
         the checkpoint's run split its data another way (global_batch.py)."""
         if t.state.epoch_complete:  # resumed after an epoch's last batch: nothing of it is left to read
             t.loader_position.pending = None
+        remainder = remainder_to_read(t, self._train)  # a split HuggingFace stream, on another number of ranks
         if t.loader_position.pending is not None:  # a loader's own state, per rank: refused on another world size
-            check_world_size(*t.loader_position.pending_from, t.world_size, self._train)
+            check_world_size(t.loader_position, t.world_size, t.global_rank, self._train)
         t.data_layout = layout_of(t, self._train)
         t.accumulate_grad_batches = t.data_layout.accumulate
         if t.resumed_layout is None:
             return
         saved = DataLayout(**t.resumed_layout)
         warn_if_the_global_batch_changed(saved, t.data_layout)
-        if not t.state.epoch_complete:
+        if remainder is not None:
+            t.loader_position.remainder = remainder
+            t.state.batches_done_in_epoch = remainder.batches_done(saved, t.data_layout, t.state.batches_done_in_epoch)
+        elif not t.state.epoch_complete:
             t.state.batches_done_in_epoch = resumed_batches(
                 saved, t.data_layout, t.state.batches_done_in_epoch, t.restore_loader_state
             )

@@ -8,8 +8,9 @@ that one works at any world size (global_batch.py). A stream whose state leaves 
 shuffle buffer) keeps no state either: restored, the rows in the buffer at the checkpoint would never be trained, so
 a resume reads the epoch again and skips the batches trained, which is exact (the shuffle is seeded by the epoch).
 A loader's own state is per rank, so it is restored only at the world size that saved it (LitData's and MosaicML's,
-which hold the global position, at any); at another, `fit(..., restore_loader_state=False)` re-reads the epoch's
-data from its start instead.
+which hold the global position, at any; a split HuggingFace stream's becomes the old ranks' remainders, dealt out:
+stream_remainder.py); at another, `fit(..., restore_loader_state=False)` re-reads the epoch's data from its start
+instead.
 
 The state is stored as plain Python types and tensors (NumPy arrays and scalars converted), so that a checkpoint
 reads back with `torch.load(weights_only=True)`.
@@ -85,9 +86,23 @@ class LoaderPosition:
         self.pending: dict | None = None  # a checkpoint's state, loaded into the target when its epoch starts
         self.pending_from: tuple[str, int] | None = None  # (the checkpoint, its world size) when pending
         self._taken: dict | None = None  # state after the latest batch taken, when batches are looked ahead
+        self.remainder: Any = None  # what the resumed epoch reads instead of the loader (stream_remainder.py)
+        self._after_remainder = False
 
     def attach(self, loader: Any) -> None:
         self.target, self._taken = stateful_part(loader), None
+
+    def epoch_source(self, loader: Any) -> Any:
+        """What this epoch reads, its position followed from here: a resumed epoch's remainder (once), else the
+        loader."""
+        if self.remainder is not None:
+            source, self.remainder = self.remainder, None
+            self.target, self._taken, self._after_remainder = source, None, True
+            return source
+        if self._after_remainder:  # the epochs after it read the loader again
+            self.attach(loader)
+            self._after_remainder = False
+        return loader
 
     def capture(self) -> dict | None:
         """The target's state now, copied (a loader may change the dicts it returns as it reads on)."""
@@ -114,7 +129,8 @@ class LoaderPosition:
         return self.saved()
 
     def load_state_dict(self, state_dict: dict | None) -> None:
-        """Hold a checkpoint's state until the loader's epoch starts (`restore`)."""
+        """Hold a checkpoint's states, every saved rank's by rank, until the loader is built (`check_world_size`
+        keeps this rank's) and its epoch starts (`restore`)."""
         self.pending = state_dict
 
     def restore(self) -> bool:
@@ -137,10 +153,16 @@ def resumes_on_any_world_size(loader: Any) -> bool:
     return kind in ELASTIC_LOADERS and _has_state(loader)
 
 
-def check_world_size(path: str, saved_world_size: Any, world_size: int, loader: Any) -> None:
-    """A checkpoint with per-rank loader state, restored, resumes at its own world size only, unless the loader's
-    state resumes anywhere."""
-    if saved_world_size != world_size and not resumes_on_any_world_size(loader):
+def check_world_size(position: LoaderPosition, world_size: int, rank: int, loader: Any) -> None:
+    """Keep this rank's state of a checkpoint's loader states (`position.pending`, by rank). Per-rank state
+    resumes at its own world size only, unless the loader's state resumes anywhere: then this rank takes an old
+    rank's. (A split HuggingFace stream on another number of ranks: stream_remainder.py.)"""
+    path, saved_world_size = position.pending_from
+    if saved_world_size in (None, world_size):
+        position.pending = position.pending.get(rank)
+    elif resumes_on_any_world_size(loader):
+        position.pending = position.pending.get(rank % saved_world_size)
+    else:
         raise ValueError(
             f"ckpt_path={path!r} holds the training loader's own state of each of its {saved_world_size} ranks "
             f"(where each rank's stream was), and this run has {world_size}: a rank's state cannot be split or "
