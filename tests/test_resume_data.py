@@ -669,3 +669,18 @@ def test_a_split_huggingface_stream_resumes_on_another_number_of_ranks(
     runs = [(straight, before_rows), (resumed, after_rows), (again, None)]
     assert Counter(_rows_of_epoch(0, runs)) == every_row_once
     assert_states_close(again["weights"], straight["weights"], atol=1e-5)
+
+
+@pytest.mark.parametrize("old, new", [(2, 1), (4, 2), (4, 3), (2, 4), (2, 3), (3, 8), (4, 4)])
+def test_the_old_ranks_remainders_are_dealt_to_the_new_ranks_each_batch_once(old, new):
+    """Every batch of every old rank's remainder goes to exactly one new rank, whatever the two sizes."""
+    from collections import Counter
+
+    from trainer.data.stream_remainder import old_ranks_of
+
+    batches = 12  # of each old rank's remainder
+    taken = Counter()
+    for rank in range(new):
+        for part, turn, sharing in old_ranks_of(old, new, rank):
+            taken.update((part, b) for b in range(batches) if b % sharing == turn)
+    assert taken == {(part, b): 1 for part in range(old) for b in range(batches)}

@@ -56,19 +56,21 @@ def is_remainder_entry(entry: Any) -> bool:
     return isinstance(entry, dict) and KEY in entry
 
 
-def parts_from_checkpoint(entries: dict[int, Any], world_size: int, ranks: int, batches_done: int) -> dict[int, Part]:
-    """The epoch's parts, by old data-parallel rank, from a checkpoint of `world_size` ranks of which `ranks` read
-    data (the others are tensor-parallel ranks of theirs, holding the same position) after `batches_done` batches
-    of the epoch. `entries`: the loader entries the checkpoint holds, by global rank (none: a stream that keeps
-    no state, read again from the epoch's start)."""
+def parts_from_checkpoint(
+    entries: dict[int, Any], world_size: int, ranks: int, batches_done: int
+) -> tuple[int, dict[int, Part]]:
+    """(the old data-parallel ranks, the epoch's parts by old rank) from a checkpoint of `world_size` ranks of which
+    `ranks` read data (the others are tensor-parallel ranks of theirs, holding the same position) after
+    `batches_done` batches of the epoch. `entries`: the loader entries the checkpoint holds, by global rank (none:
+    a stream that keeps no state, read again from the epoch's start)."""
     remainders = [entry[KEY] for entry in entries.values() if is_remainder_entry(entry)]
     if remainders:  # written inside an epoch that was itself a remainder: its parts, as they stand
         parts = {}
         for remainder in remainders:
             parts.update({old: Part(**part) for old, part in remainder["parts"].items()})
-        return parts
+        return remainders[0]["ranks"], parts
     per_rank = world_size // ranks  # global ranks of one data-parallel rank
-    return {old: Part(entries.get(old * per_rank), 0 if entries else batches_done) for old in range(ranks)}
+    return ranks, {old: Part(entries.get(old * per_rank), 0 if entries else batches_done) for old in range(ranks)}
 
 
 def remainder_to_read(trainer: Any, loader: Any) -> StreamRemainder | None:
@@ -90,18 +92,9 @@ def remainder_to_read(trainer: Any, loader: Any) -> StreamRemainder | None:
             f"position is only in the loader state it saved: resume it with {LOADER_STATE_ARGUMENT}=True"
         )
     _check_split(split_stream(loader), strategy)
-    parts = parts_from_checkpoint(entries, saved_world_size, saved["ranks"], state.batches_done_in_epoch)
+    old_ranks, parts = parts_from_checkpoint(entries, saved_world_size, saved["ranks"], state.batches_done_in_epoch)
     position.pending = None
-    old_ranks = entries_ranks(entries) or saved["ranks"]
     return StreamRemainder(loader, parts, old_ranks, strategy.data_parallel_size, strategy.data_parallel_rank)
-
-
-def entries_ranks(entries: dict[int, Any]) -> int | None:
-    """The old data-parallel ranks a remainder entry's parts come from (None: not a remainder entry)."""
-    for entry in entries.values():
-        if is_remainder_entry(entry):
-            return entry[KEY]["ranks"]
-    return None
 
 
 def _check_split(dataset: Any, strategy: Any) -> None:
