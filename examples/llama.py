@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -49,6 +50,16 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
     "3.1-8b": LlamaConfig(
         vocab_size=128256, n_kv_heads=8, hidden_dim=14336, max_seq_len=8192, rope_theta=500000.0
     ),  # Llama 3.1 8B: 8.03B
+    "3.1-70b": LlamaConfig(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        hidden_dim=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),  # Llama 3.1 70B: 70.55B
 }
 
 
@@ -127,13 +138,39 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
+def tensor_parallel_plan(model: Llama | None = None, loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """torchtitan's tensor-parallel plan of Llama, as `parallelize_module` takes it: in each block the query, key,
+    value and the feed-forward's first projections column-wise and the output projections row-wise, the norms and
+    the activations between blocks sequence-parallel (split along the sequence), the embedding row-wise and the
+    output projection column-wise, its logits gathered whole, or with `loss_parallel` left split over the
+    vocabulary as a DTensor. `python -m strategies.plan examples.llama:llama_70b --tensor-parallel 8` plans it."""
+    sequence = (Shard(1),)  # activations between blocks: split along the sequence
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
 def tensor_parallel(model: Llama, mesh: DeviceMesh, loss_parallel: bool = False) -> Llama:
-    """Split `model` over the ranks of `mesh` (a 1-D tensor-parallel mesh) with torch's tensor parallel, as
-    torchtitan splits Llama: in each block the query, key, value and the feed-forward's first projections column-wise
-    and the output projections row-wise, the norms and the activations between blocks sequence-parallel (split along
-    the sequence), the embedding row-wise and the output projection column-wise, its logits gathered whole, or with
-    `loss_parallel` left split over the vocabulary as a DTensor: compute the loss and run backward inside torch's
-    `loss_parallel()` then (in a TrainModule: `training_step` and an overridden `backward`).
+    """Split `model` over the ranks of `mesh` (a 1-D tensor-parallel mesh) with torch's tensor parallel, by
+    `tensor_parallel_plan`: with `loss_parallel`, compute the loss and run backward inside torch's `loss_parallel()`
+    (in a TrainModule: `training_step` and an overridden `backward`).
 
     The heads and the feed-forward width must divide by the mesh's size. Returns `model`, split in place.
     """
@@ -144,38 +181,7 @@ def tensor_parallel(model: Llama, mesh: DeviceMesh, loss_parallel: bool = False)
             f"tensor_parallel: n_kv_heads={config.n_kv_heads} and hidden_dim={config.hidden_dim} must divide by "
             f"the tensor-parallel size {size}"
         )
-    sequence = (Shard(1),)  # activations between blocks: split along the sequence
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
-    for block in model.layers:
-        parallelize_module(
-            block,
-            mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+    parallelize_module(model, mesh, tensor_parallel_plan(model, loss_parallel))
     return model
 
 
@@ -194,3 +200,8 @@ def llama_70b() -> Llama:
 def llama3_8b() -> Llama:
     """Llama 3.1 8B's shape (8.03B parameters): what torchtitan's published H100 table trains."""
     return Llama(LLAMA_PRESETS["3.1-8b"])
+
+
+def llama3_70b() -> Llama:
+    """Llama 3.1 70B's shape (70.55B parameters), which torchtitan trains as FSDP x tensor parallel 8."""
+    return Llama(LLAMA_PRESETS["3.1-70b"])

@@ -545,3 +545,148 @@ def test_plan_total_is_within_ten_percent_of_the_measured_peak(rank_pool, case):
     measured = rank_pool(2).run(body_peak_above_baseline, strategy, precision, checkpointed)
     ratios = [planned / peak for peak in measured]
     assert all(0.95 <= r <= 1.10 for r in ratios), (case, planned / 2**20, [m / 2**20 for m in measured], ratios)
+
+
+# ------------------------------------------------------------------ tensor parallel in the plan
+
+
+def _kind(op: object) -> str:
+    name = str(op)
+    return next(kind for kind in ("all_gather", "reduce_scatter", "all_reduce") if kind in name)
+
+
+def _counts(collectives: list[tuple[str, int]]) -> dict[str, int]:
+    from collections import Counter
+
+    return dict(Counter(kind for kind, _ in collectives))
+
+
+def body_tensor_parallel_rank(loss_parallel: bool) -> dict:
+    """One rank of the tiny Llama under ddp at tp 2 (torch's tensor parallel under the engine): its parameters'
+    elements and the collectives of a forward and a backward, counted by torch's CommDebugMode."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel as parallel_loss
+
+    from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel
+    from strategies import DDPStrategy
+
+    strategy = DDPStrategy(tensor_parallel_size=2)
+    torch.manual_seed(0)
+    mesh = strategy.device_mesh["tensor_parallel"]
+    model = strategy.setup_module(tensor_parallel(Llama(LLAMA_PRESETS["tiny"]), mesh, loss_parallel=loss_parallel))
+    tokens = torch.randint(0, 256, (2, 64))
+    with CommDebugMode() as forward:
+        logits = model(tokens)
+        with parallel_loss() if loss_parallel else torch.enable_grad():
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    with CommDebugMode() as backward, parallel_loss() if loss_parallel else torch.enable_grad():
+        loss.backward()
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    count = {}
+    for phase, mode in (("forward", forward), ("backward", backward)):
+        count[phase] = {}
+        for op, n in mode.get_comm_counts().items():
+            count[phase][_kind(op)] = count[phase].get(_kind(op), 0) + n
+    return {"elements": local, **count}
+
+
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_tensor_parallel_plan_matches_torchs_split_of_the_tiny_llama(rank_pool, loss_parallel):
+    """The planned rank holds the parameter elements a rank of torch's tensor parallel holds, and runs the
+    collectives it runs, by kind, in forward and in backward (torch's CommDebugMode counts them)."""
+    from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel_plan
+    from strategies.plan.tensor_parallel import resolve_plan, split_for_one_rank
+
+    torch_rank = rank_pool(2).run(body_tensor_parallel_rank, loss_parallel)[0]
+    with torch.device("meta"):
+        model = Llama(LLAMA_PRESETS["tiny"])
+    record = split_for_one_rank(model, resolve_plan(model, tensor_parallel_plan(model, loss_parallel)), 2)
+    assert sum(p.numel() for p in model.parameters()) == torch_rank["elements"]
+    model.to_empty(device="cpu")
+    tokens = torch.randint(0, 256, (2, 64))
+    logits = model(tokens % 128)  # (the embedding's local rows: the shapes are what is checked)
+    assert logits.shape == (2, 64, 256 // 2 if loss_parallel else 256)
+    F.cross_entropy(logits.flatten(0, 1), tokens.flatten() % logits.shape[-1]).backward()
+    assert _counts(record.forward) == torch_rank["forward"]
+    assert _counts(record.backward) == torch_rank["backward"]
+
+
+def test_tensor_parallel_divides_the_model_state_and_activations_and_adds_its_collectives():
+    """Four layers of Llama 3.1 70B on 64 ranks as 8 nodes of 8: tp 8 holds an eighth of the split weights per
+    rank, fsdp shards that over the 8 data-parallel ranks, and the tensor-parallel collectives are in the
+    forecast."""
+    from dataclasses import replace
+
+    from examples.llama import LLAMA_PRESETS, Block, Llama, tensor_parallel_plan
+
+    with torch.device("meta"):
+        model = Llama(replace(LLAMA_PRESETS["3.1-70b"], n_layers=4))
+    options = dict(
+        world_size=64, nodes=8, batch_size=1, seq_len=8192, precision="bf16-mixed", param_dtype=torch.bfloat16,
+        wrap_policy={Block}, activation_checkpointing={Block}, hardware="h100",
+    )  # fmt: skip
+    plain = plan_memory(model, **options)
+    split = plan_memory(model, tensor_parallel=8, tensor_parallel_plan=tensor_parallel_plan, **options)
+    norms = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+    params = sum(p.numel() for p in model.parameters())
+    assert split.strategies["ddp"].parameters == 2 * ((params - norms) // 8 + norms)  # (in the param dtype)
+    local = (params - norms) // 8 + norms  # one tensor-parallel rank's elements
+    assert split.strategies["fsdp"].parameters == pytest.approx(4 * local / 8, rel=1e-3)  # fp32 master shard
+    # the blocks' saved inputs split along the sequence; the logits gathered whole unless the loss is parallel
+    assert split.strategies["fsdp"].activations < 0.6 * plain.strategies["fsdp"].activations
+    loss_parallel = plan_memory(
+        model, tensor_parallel=8, tensor_parallel_plan=lambda m: tensor_parallel_plan(m, True), **options
+    )
+    assert loss_parallel.strategies["fsdp"].activations < split.strategies["fsdp"].activations / 3
+    # tensor parallel within the node spares fsdp's gathers of the whole model across nodes; its own
+    # collectives run exposed (no async tensor parallel), and the group of 8 trains one batch together
+    assert split.forecasts["fsdp"].exposed_comm_s < plain.forecasts["fsdp"].exposed_comm_s
+    assert split.forecasts["fsdp"].tokens_per_s_per_rank == pytest.approx(8192 / 8 / split.forecasts["fsdp"].step_s)
+    assert "8 tensor-parallel x 8 data-parallel" in split.table()
+    with pytest.raises(ValueError, match="tensor_parallel_plan"):
+        plan_memory(model, tensor_parallel=8, **options)
+    with pytest.raises(ValueError, match="tensor_parallel=3 does not divide world_size=64"):
+        plan_memory(model, tensor_parallel=3, tensor_parallel_plan=tensor_parallel_plan, **options)
+
+
+def test_command_line_plans_tensor_parallel(capsys):
+    """--tensor-parallel takes the target module's tensor_parallel_plan; a module without one is refused."""
+    planned = {}
+    for tp in ("1", "2"):
+        plan_main(["examples.llama:llama_tiny", "--world-size", "4", "--tensor-parallel", tp, "--wrap", "Block"])
+        planned[tp] = capsys.readouterr().out
+        plan_main(
+            ["examples.llama:llama_tiny", "--world-size", "4", "--tensor-parallel", tp, "--wrap", "Block", "--json"]
+        )
+        planned[tp + "json"] = json.loads(capsys.readouterr().out)
+    assert "2 tensor-parallel x 2 data-parallel" in planned["2"]
+    assert planned["2json"]["ddp"]["parameters"] < 0.6 * planned["1json"]["ddp"]["parameters"]
+    with pytest.raises(SystemExit):
+        plan_main(["examples.gpt:gpt_quickstart", "--world-size", "4", "--tensor-parallel", "2"])
+    assert "has no tensor_parallel_plan" in capsys.readouterr().err
+
+
+def body_trainer_plan_under_tensor_parallel() -> tuple[dict, dict]:
+    from examples.llama import tensor_parallel_plan
+    from strategies import FSDPStrategy
+    from tests.test_tensor_parallel import TinyLlama
+
+    trainer = Trainer(strategy=FSDPStrategy(tensor_parallel_size=2), devices=2, logger=False)
+    module = TinyLlama()
+    plan = {f"model.{path}": style for path, style in tensor_parallel_plan().items()}
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 256, (8, 17))), batch_size=2)
+    planned = trainer.plan(module, train_dataloaders=loader, tensor_parallel_plan=plan)
+    return planned.to_json(), {"description": planned.description}
+
+
+def test_trainer_plan_under_tensor_parallel_plans_each_ranks_share(rank_pool):
+    """trainer.plan under FSDPStrategy(tensor_parallel_size=2) on 2 ranks: the module's configure_model applies
+    torch's tensor parallel (on the meta copy too), and the plan lays out one rank's share of the split model."""
+    from examples.llama import LLAMA_PRESETS, Llama
+
+    planned, info = rank_pool(2).run(body_trainer_plan_under_tensor_parallel)[0]
+    assert "2 tensor-parallel x 1 data-parallel" in info["description"][0]
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in Llama(LLAMA_PRESETS["tiny"]).parameters())
+    assert planned["ddp"]["parameters"] < 0.6 * 4 * whole

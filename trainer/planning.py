@@ -45,10 +45,12 @@ def make_plan(
     device_memory: int | None = None,
     forecast: bool = True,
     hardware: Any = None,
+    tensor_parallel_plan: Any = None,
 ) -> MemoryPlan:
     """The plan at the Trainer's world size and precision, with the options its strategy gives the plan. The batch
     is the module's example_input, else shaped like the train DataLoader's samples. `forecast` adds each
-    strategy's step time on `hardware` (default: this machine's GPU kind, else cpu)."""
+    strategy's step time on `hardware` (default: this machine's GPU kind, else cpu). Under a strategy's
+    `tensor_parallel_size` > 1, `tensor_parallel_plan` is the module's split (paths under the module)."""
     loader, sample = train_dataloaders, None
     if not callable(getattr(module, "example_input", None)):
         loader = loader if loader is not None else module.train_dataloader()
@@ -66,6 +68,8 @@ def make_plan(
         sample=sample,
         forecast=forecast,
         hardware=hardware,
+        tensor_parallel=trainer.strategy.tensor_parallel_size,
+        tensor_parallel_plan=tensor_parallel_plan,
         **options,
     )
 

@@ -529,6 +529,7 @@ class Trainer:
         seq_len: int | None = None,
         train_dataloaders: Any = None,
         hardware: Any = None,
+        tensor_parallel_plan: Any = None,
     ) -> planning.MemoryPlan:
         """Estimate the memory per rank of `module` under ddp, zero1, zero2 and fsdp, and each one's step time.
 
@@ -544,13 +545,31 @@ class Trainer:
             hardware: the step-time forecast's profile: a name of `strategies.plan.HARDWARE`, a `Hardware`, or a
                 JSON file `python -m strategies.plan ... --measure --save-hardware FILE` wrote (default: this
                 machine's GPU kind, else "cpu").
+            tensor_parallel_plan: under a strategy with `tensor_parallel_size` > 1, the plan the module's
+                `configure_model` gives torch's `parallelize_module`, its paths under `module` (e.g.
+                `{f"model.{path}": style for path, style in examples.llama.tensor_parallel_plan().items()}`), or a
+                function of the module returning it: each rank is planned with its share of the split model.
 
         Returns:
             The plan: bytes per rank for each strategy, and `plan.forecasts[name]` (step_s,
             tokens_per_s_per_rank, mfu, exposed_comm_s).
         """
         memory = self.max_memory_per_rank or planning.local_device_memory(self)
-        plan = planning.make_plan(self, module, batch_size, seq_len, train_dataloaders, memory, hardware=hardware)
+        attached = module._trainer
+        module._trainer = self  # its configure_model, run on a meta copy, may ask for the trainer's mesh
+        try:
+            plan = planning.make_plan(
+                self,
+                module,
+                batch_size,
+                seq_len,
+                train_dataloaders,
+                memory,
+                hardware=hardware,
+                tensor_parallel_plan=tensor_parallel_plan,
+            )
+        finally:
+            module._trainer = attached
         if self.is_global_zero:
             print(plan.table(), flush=True)
         return plan

@@ -42,6 +42,21 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         help="also plan hsdp: fsdp sharded within groups of G "
         "ranks, replicated across them (default with --nodes > 1: the ranks of one node)",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split each group of N consecutive ranks with torch's tensor parallel (the strategies then shard "
+        "over world-size / N data-parallel ranks); default 1",
+    )
+    p.add_argument(
+        "--tensor-parallel-plan",
+        metavar="MODULE:FUNCTION",
+        help="with --tensor-parallel: a function of the model returning its plan, {module path: ParallelStyle}, "
+        "as parallelize_module takes it (default: tensor_parallel_plan in the target's module, e.g. "
+        "examples.llama:tensor_parallel_plan)",
+    )
     p.add_argument("--batch-size", type=int, default=1, help="sequences per rank (default 1)")
     p.add_argument(
         "--seq-len",
@@ -106,17 +121,41 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     return p, p.parse_args(argv)
 
 
+def load_callable(parser: argparse.ArgumentParser, option: str, target: str) -> Callable:
+    """MODULE:NAME imported."""
+    module_name, _, name = target.partition(":")
+    if not module_name or not name:
+        parser.error(f"{option}: {target!r} is not of the form MODULE:NAME, e.g. examples.gpt:gpt_100m")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except ImportError as error:
+        parser.error(f"{option}: cannot import {module_name!r}: {error}")
+    except AttributeError:
+        parser.error(f"{option}: {module_name} has no {name!r}")
+
+
+def tensor_parallel_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Callable | None:
+    """The plan function --tensor-parallel uses: --tensor-parallel-plan, else the target module's
+    tensor_parallel_plan."""
+    if args.tensor_parallel_plan is not None:
+        if args.tensor_parallel == 1:
+            parser.error("--tensor-parallel-plan: give --tensor-parallel N (N > 1) too")
+        return load_callable(parser, "--tensor-parallel-plan", args.tensor_parallel_plan)
+    if args.tensor_parallel == 1:
+        return None
+    module_name = args.target.partition(":")[0]
+    plan = getattr(importlib.import_module(module_name), "tensor_parallel_plan", None)
+    if plan is None:
+        parser.error(
+            f"--tensor-parallel {args.tensor_parallel}: {module_name} has no tensor_parallel_plan; give "
+            "--tensor-parallel-plan MODULE:FUNCTION (a function of the model returning its plan)"
+        )
+    return plan
+
+
 def load_factory(parser: argparse.ArgumentParser, target: str) -> nn.Module:
     """Call MODULE:FACTORY on the meta device (configure_model too, for a TrainModule)."""
-    module_name, _, factory_name = target.partition(":")
-    if not module_name or not factory_name:
-        parser.error(f"MODULE:FACTORY: {target!r} is not of that form, e.g. examples.gpt:gpt_100m")
-    try:
-        factory = getattr(importlib.import_module(module_name), factory_name)
-    except ImportError as error:
-        parser.error(f"MODULE:FACTORY: cannot import {module_name!r}: {error}")
-    except AttributeError:
-        parser.error(f"MODULE:FACTORY: {module_name} has no {factory_name!r}")
+    factory = load_callable(parser, "MODULE:FACTORY", target)
     with torch.device("meta"):
         model = factory()
         if callable(getattr(model, "configure_model", None)):
@@ -145,6 +184,7 @@ def class_policy(
 def main(argv: list[str] | None = None) -> None:
     parser, args = parse_args(argv)
     model = load_factory(parser, args.target)
+    plan_function = tensor_parallel_plan(parser, args)
     if args.device_memory is not None:
         try:
             memory, where = parse_bytes(args.device_memory, "--device-memory"), "given"
@@ -180,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
             device_memory=memory,
             hardware=hardware,
             checkpoint_mode=args.ac_mode,
+            tensor_parallel=args.tensor_parallel,
+            tensor_parallel_plan=plan_function,
         )
     except ValueError as error:
         parser.error(str(error))

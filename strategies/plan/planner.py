@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..registry import STRATEGIES
 from ..sharding.unit import gradient_buckets
@@ -20,6 +21,7 @@ from .hardware import Hardware, default_hardware, get_hardware
 from .model_bytes import OPTIMIZER_STATES, check_optimizer, model_state_bytes, optimizer_kind, plan_units
 from .report import STRATEGY_ORDER, MemoryPlan, StepForecast
 from .sizes import format_bytes, parse_bytes
+from .tensor_parallel import TensorParallelCollectives, resolve_plan, split_for_one_rank, with_collectives
 
 SCHEDULES = {"engine": 1, "fully_shard": 2}  # communication streams of each
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -43,23 +45,59 @@ def meta_copy(model: nn.Module) -> nn.Module:
     if callable(getattr(clone, "configure_model", None)):
         with torch.device("meta"):
             clone.configure_model()
+        _undo_tensor_parallel(clone)
     return clone
 
 
-def _planning_copy(model: nn.Module, precision: str) -> nn.Module:
-    """A meta copy in the dtype the precision trains it in (one for the layout, one the fake pass swaps)."""
+def _undo_tensor_parallel(model: nn.Module) -> None:
+    """A configure_model that applied torch's tensor parallel (under a strategy's mesh) left DTensor parameters and
+    the styles' hooks: the plan lays the split out itself (tensor_parallel.py), from the whole model."""
+    split = False
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                whole = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                setattr(module, name, nn.Parameter(whole, param.requires_grad))
+                split = True
+    if split:
+        for module in model.modules():
+            for hooks in _HOOKS:
+                getattr(module, hooks).clear()
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The tensor-parallel split the plan lays out: `size` ranks a group, by `plan` (resolve_plan's)."""
+
+    size: int = 1
+    plan: dict[str, Any] | None = None
+
+
+def _planning_copy(
+    model: nn.Module, precision: str, tp: TensorParallel = TensorParallel()
+) -> tuple[nn.Module, TensorParallelCollectives]:
+    """A meta copy in the dtype the precision trains it in (one for the layout, one the fake pass swaps), as one
+    tensor-parallel rank holds it; and the record its forward fills with the tensor-parallel collectives."""
     meta = meta_copy(model)
     if precision in TRUE_DTYPES:
         meta.to(TRUE_DTYPES[precision])
-    return meta
+    if tp.size == 1:
+        return meta, TensorParallelCollectives(1)
+    return meta, split_for_one_rank(meta, tp.plan, tp.size)
 
 
-def _check(world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str) -> None:
-    for name, value in (("world_size", world_size), ("nodes", nodes), ("batch_size", batch_size)):
+def _check(world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str, tp: int) -> None:
+    checked = (("world_size", world_size), ("nodes", nodes), ("batch_size", batch_size), ("tensor_parallel", tp))
+    for name, value in checked:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is not valid; use a positive int")
     if world_size % nodes:
         raise ValueError(f"nodes={nodes} does not divide world_size={world_size}; use the same ranks on every node")
+    if world_size % tp:
+        raise ValueError(
+            f"tensor_parallel={tp} does not divide world_size={world_size}: the ranks are groups of {tp} "
+            "tensor-parallel ranks"
+        )
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len={seq_len!r} is not valid; use a positive int or None")
     if precision not in AUTOCAST:
@@ -114,6 +152,8 @@ def plan_memory(
     checkpoint_mode: str = "full",
     schedule: str = "engine",
     forecast: bool = True,
+    tensor_parallel: int = 1,
+    tensor_parallel_plan: Any = None,
 ) -> MemoryPlan:
     """Bytes per rank for every strategy. `model` (an nn.Module or TrainModule, best built on the meta device) is
     not changed. `batch_size` and `seq_len` are per rank (seq_len defaults to the model config's); `param_dtype`
@@ -129,17 +169,25 @@ def plan_memory(
     runs activation checkpointing with torchtitan's per-op policy (torch.utils.checkpoint's selective contexts),
     for memory and time. `schedule` "fully_shard" times torch's FSDP2 schedule instead of this engine's (for
     comparing the forecast with published fully_shard runs): reductions on a stream of their own, normalization
-    layers inside their block's unit. `forecast=False` plans memory only."""
-    _check(world_size, nodes, batch_size, seq_len, precision)
+    layers inside their block's unit. `forecast=False` plans memory only.
+
+    `tensor_parallel` > 1 splits each group of that many consecutive ranks by `tensor_parallel_plan` (what torch's
+    parallelize_module takes, or a function of the model returning it) and the strategies shard over the
+    world_size / tensor_parallel data-parallel ranks: memory, activations and compute are one tensor-parallel
+    rank's, and the forecast adds the tensor-parallel collectives (tensor_parallel.py)."""
+    _check(world_size, nodes, batch_size, seq_len, precision, tensor_parallel)
     if checkpoint_mode not in AC_MODES:
         raise ValueError(f"checkpoint_mode={checkpoint_mode!r} is not valid; choose one of {list(AC_MODES)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not valid; choose one of {list(SCHEDULES)}")
     hardware = get_hardware(hardware) if hardware is not None else default_hardware()
-    group = hybrid_shard if hybrid_shard is not None else (world_size // nodes if nodes > 1 else None)
-    if group is not None and (not isinstance(group, int) or group < 1 or world_size % group):
-        raise ValueError(f"hybrid_shard={group!r} must divide world_size={world_size}")
-    meta = _planning_copy(model, precision)
+    tp = _tensor_parallel(model, tensor_parallel, tensor_parallel_plan)
+    data_ranks = world_size // tp.size
+    per_node = data_ranks // nodes  # data-parallel ranks on one node: hsdp shards over them by default
+    group = hybrid_shard if hybrid_shard is not None else (per_node if nodes > 1 and per_node > 1 else None)
+    if group is not None and (not isinstance(group, int) or group < 1 or data_ranks % group):
+        raise ValueError(f"hybrid_shard={group!r} must divide the {data_ranks} data-parallel ranks")
+    meta, _ = _planning_copy(model, precision, tp)
     if not any(True for _ in meta.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters to plan")
     optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
@@ -149,11 +197,11 @@ def plan_memory(
     # a hybrid strategy (hsdp) shards within a group of G ranks and replicates across the groups
     hybrid = {name for name, s in strategies.items() if getattr(s, "hybrid_shard", None) is not None}
     shard_over = {
-        name: group if name in hybrid else world_size for name in strategies if group is not None or name not in hybrid
+        name: group if name in hybrid else data_ranks for name in strategies if group is not None or name not in hybrid
     }
     checkpointed = resolve_wrap_policy(activation_checkpointing)
     step = step_activations(
-        _planning_copy(model, precision),
+        _planning_copy(model, precision, tp)[0],
         batch_size,
         seq_len,
         precision,
@@ -198,14 +246,16 @@ def plan_memory(
             checkpoint_mode,
             sample,
             schedule,
+            tp,
         )
     )
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
+    split = f" ({tp.size} tensor-parallel x {data_ranks} data-parallel)" if tp.size > 1 else ""
     description = [
-        f"memory plan of {type(model).__name__} ({params / 1e6:,.1f}M parameters) on {world_size} rank(s), "
-        f"{nodes} node(s); per rank: batch {batch_size}"
+        f"memory plan of {type(model).__name__} ({params / 1e6:,.1f}M parameters{' per rank' * (tp.size > 1)}) on "
+        f"{world_size} rank(s){split}, {nodes} node(s); per rank: batch {batch_size}"
         + (f" x {seq_len}" if seq_len else "")
         + f", precision {precision}{cast}, optimizer {optimizer}",
         "fsdp units: "
@@ -250,31 +300,53 @@ def _forecasts(
     checkpoint_mode: str,
     sample: Any,
     schedule: str,
+    tp: TensorParallel,
 ) -> dict[str, StepForecast]:
     """Each strategy's step on `hardware`, from one timed fake step of a fresh meta copy of the model."""
-    timed = _planning_copy(model, precision)
+    timed, collectives = _planning_copy(model, precision, tp)
     cost = compute_cost(
         timed, hardware, batch_size, seq_len, precision, param_dtype, checkpointed, checkpoint_mode, sample
     )
+    ranks_per_node = world_size // nodes
+    tp_link = hardware.intra_node if tp.size <= ranks_per_node else hardware.inter_node
+    cost_with_tp, tp_seconds = with_collectives(cost, collectives, tp_link)
     owners = [[name.rpartition(".")[0] for name, _ in bucket] for bucket in gradient_buckets(meta)]
     if param_dtype is not None and param_dtype == next(meta.parameters()).dtype:
         param_dtype = None
     reduce = reduce_dtype or param_dtype
-    tokens = batch_size * (seq_len or 1)
+    tokens = batch_size * (seq_len or 1) / tp.size  # a tensor-parallel group trains one batch together
     forecasts = {}
     for name, ranks in shard_over.items():
         spec = strategies[name].spec
         units = plan_units(meta, spec, ranks, wrap_policy, param_dtype, full_precision_norms=schedule == "engine")
-        forecasts[name] = forecast_step(
-            cost,
+        step = forecast_step(
+            cost_with_tp,
             units,
             spec,
             hardware,
-            Topology(world_size, nodes, ranks),
+            Topology(world_size // tp.size, nodes, ranks),  # a data-parallel group: every tp.size-th rank
             tokens,
             OPTIMIZER_STATES[optimizer],
             reduce,
             owners if not spec.shard_parameters else None,
             SCHEDULES[schedule],
         )
+        forecasts[name] = replace(
+            step,
+            compute_s=cost.total,
+            comm_s=step.comm_s + tp_seconds,
+            exposed_comm_s=max(0.0, step.step_s - cost.total - step.optimizer_s),
+        )
     return forecasts
+
+
+def _tensor_parallel(model: nn.Module, size: int, plan: Any) -> TensorParallel:
+    if size == 1:
+        return TensorParallel()
+    if plan is None:
+        raise ValueError(
+            f"tensor_parallel={size} needs tensor_parallel_plan: the {{module path: ParallelStyle}} the model's "
+            "configure_model gives torch's parallelize_module (or a function of the model returning it), e.g. "
+            "examples.llama.tensor_parallel_plan"
+        )
+    return TensorParallel(size, resolve_plan(meta_copy(model), plan))
