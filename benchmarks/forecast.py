@@ -2,7 +2,9 @@
 
     python -m benchmarks.forecast                # both
     python -m benchmarks.forecast --only cpu     # this machine: calibrate, forecast, measure
+    python -m benchmarks.forecast --only tp      # the same for fsdp x tensor parallel 2 at 4 and 8 ranks
     python -m benchmarks.forecast --only paper   # Llama 3.1 8B against torchtitan's published H100 table
+    python -m benchmarks.forecast --only tp-paper  # Llama 3.1 70B at tp 1-8, and torchtitan's FSDP 32 x TP 8 run
 
 cpu: `--measure` calibrates a profile on this machine (one step of the 30m GPT with one thread, a gloo sweep over
 2 ranks), the plan forecasts ddp, zero2 and fsdp on 2 ranks for benchmarks/compare.py's 30m preset (batch 2 x 128
@@ -79,6 +81,47 @@ def cpu_check(rounds: int) -> None:
         print(f"| {name} | {f.step_s:.3f} | {f.exposed_comm_s:.3f} | {measured:.3f} | {f.step_s / measured:.2f} |")
 
 
+def tensor_parallel_check(rounds: int) -> None:
+    """fsdp x tp 2 on this machine: for 4 and 8 gloo ranks, calibrate a profile (--measure), forecast the Llama of
+    benchmarks/tensor_parallel.py split by examples.llama's plan, measure its median step, and compare."""
+    from benchmarks.tensor_parallel import config
+    from examples.llama import Block, Llama, tensor_parallel_plan
+
+    shape = SimpleNamespace(dim=256, layers=4, seq=128, batch=4)
+    with torch.device("meta"):
+        model = Llama(config(shape))
+    rows = []
+    for ranks in (4, 8):
+        args = SimpleNamespace(world_size=ranks, nodes=1, batch_size=shape.batch, seq_len=shape.seq, save_hardware=None)
+        profile = measure_hardware(model, args, HARDWARE["cpu"])
+        plan = plan_memory(
+            model,
+            world_size=ranks,
+            batch_size=shape.batch,
+            seq_len=shape.seq,
+            wrap_policy={Block},
+            hardware=profile,
+            tensor_parallel=2,
+            tensor_parallel_plan=tensor_parallel_plan,
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "tp.json")
+            command = [sys.executable, "-m", "benchmarks.tensor_parallel", "--ranks", str(ranks), "--only", "ours"]
+            command += ["--rounds", str(rounds), "--json", out]
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                measured = json.load(f)["fsdp x tp (ours)"]
+        rows.append((ranks, plan.forecasts["fsdp"], measured))
+    print("\n| ranks | forecast step (s) | of which tensor-parallel and exposed comm (s) | measured median step (s) |"
+          " forecast / measured |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    for ranks, f, measured in rows:
+        print(
+            f"| dp {ranks // 2} x tp 2 | {f.step_s:.3f} | {f.exposed_comm_s:.3f} | {measured:.3f} | "
+            f"{f.step_s / measured:.2f} |"
+        )
+
+
 def llama_plan(world_size: int, nodes: int, schedule: str):
     from examples.llama import Block, llama3_8b
 
@@ -138,6 +181,65 @@ def paper_check() -> None:
             print(
                 f"| {gpus} | {name} | {f.step_s:.2f} | {f.tokens_per_s_per_rank:,.0f} | {f.mfu:.1%} | "
                 f"{f.exposed_comm_s:.2f} | {row.total / 2**30:.1f} GiB |"
+            )
+
+
+TORCHTITAN_70B_TP8 = 597.3  # TPS/GPU, Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, bf16, compile, full AC, batch 16
+
+
+def llama70b_plan(gpus: int, tp: int, schedule: str = "engine"):
+    """Llama 3.1 70B on `gpus` H100 in nodes of 8 at tensor parallel `tp` (examples.llama's plan, loss parallel, as
+    torchtitan runs it), with torchtitan's 70B settings: sequence 8192, bf16 parameters, fp32 reduce, full
+    activation checkpointing, and 16 sequences per 8 GPUs (its local batch of 16 at tp 8), so that every tp
+    trains the same tokens per GPU."""
+    from examples.llama import Block, llama3_70b, tensor_parallel_plan
+
+    with torch.device("meta"):
+        model = llama3_70b()
+    hardware = with_changes(HARDWARE["h100"], name="h100 (HBM2e 2.4 TB/s)", memory_bandwidth=0.8 * 2.4e12)
+    return plan_memory(
+        model,
+        world_size=gpus,
+        nodes=gpus // 8,
+        batch_size=2 * tp,  # sequences per data-parallel rank
+        seq_len=8192,
+        precision="bf16-mixed",
+        param_dtype=torch.bfloat16,
+        reduce_dtype=torch.float32,
+        wrap_policy={Block},
+        activation_checkpointing={Block},
+        hardware=hardware,
+        schedule=schedule,
+        device_memory="96GB",
+        tensor_parallel=tp,
+        tensor_parallel_plan=lambda m: tensor_parallel_plan(m, loss_parallel=True),
+    )
+
+
+def tensor_parallel_paper_check() -> None:
+    """Llama 3.1 70B at 64, 256 and 1,024 H100 with tp 1, 2, 4, 8 under fsdp; and torchtitan's 2-D run beside the
+    forecast of its settings (fully_shard's schedule, as torchtitan ran)."""
+    f = llama70b_plan(256, 8, "fully_shard").forecasts["fsdp"]
+    print("\n| run | TPS/GPU | forecast TPS/GPU | forecast / torchtitan | forecast MFU |")
+    print("|---|---:|---:|---:|---:|")
+    print(
+        f"| torchtitan, 256 H100, FSDP 32 x TP 8, bf16, torch.compile, full AC, local batch 16 x 8192 | "
+        f"{TORCHTITAN_70B_TP8:,.1f} | {f.tokens_per_s_per_rank:,.1f} | "
+        f"{f.tokens_per_s_per_rank / TORCHTITAN_70B_TP8:.2f} | {f.mfu:.1%} |"
+    )
+    print(
+        "\n| GPUs (nodes of 8) | tp | sequences per dp rank | step (s) | tokens/s per GPU | MFU | exposed comm (s) | "
+        "planned memory per GPU |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for gpus in (64, 256, 1024):
+        for tp in (1, 2, 4, 8):
+            plan = llama70b_plan(gpus, tp)
+            f, row = plan.forecasts["fsdp"], plan.strategies["fsdp"]
+            print(
+                f"| {gpus} | {tp} | {2 * tp} | {f.step_s:.2f} | {f.tokens_per_s_per_rank:,.0f} | {f.mfu:.1%} | "
+                f"{f.exposed_comm_s:.2f} | {row.total / 2**30:.1f} GiB |",
+                flush=True,
             )
 
 
@@ -208,7 +310,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        choices=["cpu", "paper", "layer"],
+        choices=["cpu", "tp", "paper", "tp-paper", "layer"],
         help="layer: on a GPU, one 8B decoder layer measured against its forecast (not run by default)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="compare.py's rounds for the measured steps")
@@ -220,8 +322,12 @@ def main() -> None:
     print(f"command: python -m benchmarks.forecast {' '.join(sys.argv[1:])}".rstrip())
     if args.only in (None, "cpu"):
         cpu_check(args.rounds)
+    if args.only in (None, "tp"):
+        tensor_parallel_check(args.rounds)
     if args.only in (None, "paper"):
         paper_check()
+    if args.only in (None, "tp-paper"):
+        tensor_parallel_paper_check()
     if args.only == "layer":
         layer_check()
 

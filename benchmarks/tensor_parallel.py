@@ -3,7 +3,8 @@
 fp32. The two run in the same processes, alternated round by round; the table gives each one's median step and
 the ratio.
 
-    python -m benchmarks.tensor_parallel [--steps 7] [--rounds 3] [--dim 256] [--layers 4]
+    python -m benchmarks.tensor_parallel [--steps 7] [--rounds 3] [--dim 256] [--layers 4] [--ranks 4]
+                                         [--only ours] [--json FILE]
 
 Each rank uses one thread (OMP_NUM_THREADS=1); run it alone on the machine.
 """
@@ -11,6 +12,7 @@ Each rank uses one thread (OMP_NUM_THREADS=1); run it alone on the machine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -23,7 +25,8 @@ import torch.nn.functional as F
 from examples.llama import Llama, LlamaConfig, tensor_parallel
 from strategies import FSDPStrategy
 
-RANKS, TENSOR_PARALLEL = 4, 2
+TENSOR_PARALLEL = 2
+VARIANTS = ("ours", "torch")
 
 
 def config(args: argparse.Namespace) -> LlamaConfig:
@@ -50,7 +53,7 @@ def torchs(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optim
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (RANKS // TENSOR_PARALLEL, TENSOR_PARALLEL), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (args.ranks // TENSOR_PARALLEL, TENSOR_PARALLEL), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = tensor_parallel(Llama(config(args)), mesh["tp"])
     for block in model.layers:
@@ -79,11 +82,12 @@ def step_times(build, args: argparse.Namespace) -> tuple[list[float], float]:
 
 
 def rank(index: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(RANKS))
-    os.environ.update(LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(RANKS))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(index), WORLD_SIZE=str(args.ranks))
+    os.environ.update(LOCAL_RANK=str(index), LOCAL_WORLD_SIZE=str(args.ranks))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    variants = {"fsdp x tp (ours)": ours, "fully_shard x tp (torch)": torchs}
+    every = {"fsdp x tp (ours)": ours, "fully_shard x tp (torch)": torchs}
+    variants = {name: build for name, build in every.items() if args.only is None or args.only in name}
     measured: dict[str, list[float]] = {name: [] for name in variants}
     losses: dict[str, float] = {}
     for round_ in range(args.rounds):
@@ -93,14 +97,18 @@ def rank(index: int, args: argparse.Namespace, port: int) -> None:
             measured[name] += times
     if index == 0:
         medians = {name: statistics.median(times) for name, times in measured.items()}
-        base = medians["fully_shard x tp (torch)"]
+        base = medians.get("fully_shard x tp (torch)")
         print("| variant | median step (s) | x torch | last loss (rank 0) |\n|---|---|---|---|")
         for name, median in medians.items():
-            print(f"| {name} | {median:.4f} | {median / base:.2f} | {losses[name]:.6f} |")
+            ratio = f"{median / base:.2f}" if base else "-"
+            print(f"| {name} | {median:.4f} | {ratio} | {losses[name]:.6f} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(medians, f)
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tensor_parallel", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=7, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the variants' order alternating")
@@ -108,12 +116,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="per data-parallel rank")
-    args = parser.parse_args()
+    parser.add_argument("--ranks", type=int, default=4, help="gloo ranks: dp ranks / 2 x tp 2 (default 4)")
+    parser.add_argument("--only", choices=VARIANTS, help="time one variant only")
+    parser.add_argument("--json", metavar="FILE", help="write each variant's median step (s) here")
+    args = parser.parse_args(argv)
     print(
-        f"dp {RANKS // TENSOR_PARALLEL} x tp {TENSOR_PARALLEL} gloo ranks, Llama dim {args.dim}, {args.layers} layers, "
-        f"seq {args.seq}, batch {args.batch} per data rank, AdamW fp32"
+        f"dp {args.ranks // TENSOR_PARALLEL} x tp {TENSOR_PARALLEL} gloo ranks, Llama dim {args.dim}, "
+        f"{args.layers} layers, seq {args.seq}, batch {args.batch} per data rank, AdamW fp32"
     )
-    mp.spawn(rank, args=(args, 29700 + os.getpid() % 200), nprocs=RANKS)
+    mp.spawn(rank, args=(args, 29700 + os.getpid() % 200), nprocs=args.ranks)
 
 
 if __name__ == "__main__":

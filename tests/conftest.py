@@ -20,6 +20,17 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Each test finds the environment as the session started it, whatever an earlier test's libraries set in it
+    (Lightning's Trainer sets rank variables); the rank pool's bodies get the same (tests/ranks.py)."""
+    environment = dict(os.environ)
+    yield
+    if os.environ != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+
+
 @pytest.fixture(scope="session")
 def rank_pool() -> Iterator[Callable[[int], RankPool]]:
     """A factory: `rank_pool(n)` is a pool of n ranks, started at its first use and shared by the session."""

@@ -180,6 +180,7 @@ def _init_group(store, rank: int, world_size: int, generation: int) -> None:
 
 
 def _call(module: str, qualname: str, args: tuple, kwargs: dict) -> tuple:
+    environment = dict(os.environ)  # as the next body finds it, whatever this one's libraries set (Lightning's)
     try:
         fn: Any = importlib.import_module(module)
         for name in qualname.split("."):
@@ -195,6 +196,9 @@ def _call(module: str, qualname: str, args: tuple, kwargs: dict) -> tuple:
         return ("error", text, exc_bytes)
     finally:
         os.chdir(ROOT)
+        if os.environ != environment:
+            os.environ.clear()
+            os.environ.update(environment)
 
 
 def _abandon_group() -> None:

@@ -27,7 +27,7 @@ from strategies.plan import (
 from strategies.plan.__main__ import main as plan_main
 from strategies.sharding import FULL_SHARD, REPLICATED, ZERO1, ZERO2, ShardingEngine, UnitOptions
 from tests.test_parity import VOCAB, Block, TiedLM, token_dataset
-from trainer import Trainer, TrainModule
+from trainer import Trainer, TrainModule, planning
 
 QUIET = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
 GB = 1e9
@@ -690,3 +690,52 @@ def test_trainer_plan_under_tensor_parallel_plans_each_ranks_share(rank_pool):
     with torch.device("meta"):
         whole = sum(p.numel() for p in Llama(LLAMA_PRESETS["tiny"]).parameters())
     assert planned["ddp"]["parameters"] < 0.6 * 4 * whole
+
+
+class SplitTinyLlama(TrainModule):
+    """The tiny Llama, split by examples.llama's tensor-parallel plan when the strategy's mesh asks, and saying so
+    in tensor_parallel_plan() (what trainer.plan and strategy="auto" read)."""
+
+    def configure_model(self) -> None:
+        from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel
+
+        torch.manual_seed(0)
+        self.model = Llama(LLAMA_PRESETS["tiny"])
+        if self.trainer.strategy.tensor_parallel_size > 1:
+            tensor_parallel(self.model, self.device_mesh["tensor_parallel"])
+
+    def tensor_parallel_plan(self) -> dict:
+        from examples.llama import tensor_parallel_plan
+
+        return {f"model.{path}": style for path, style in tensor_parallel_plan().items()}
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return F.cross_entropy(self.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def body_auto_with_tensor_parallel() -> tuple[int, int, str, int]:
+    """The smallest plan at tp 1 and at tp 2 on 4 ranks, and what strategy="auto" chooses for a budget between."""
+    loader = DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 256, (16, 33))), batch_size=2)
+    trainer = Trainer(strategy="auto", devices=4, **QUIET)
+    plans = {
+        tp: planning.make_plan(trainer, SplitTinyLlama(), train_dataloaders=loader, forecast=False, tensor_parallel=tp)
+        for tp in (1, 2)
+    }
+    least = {tp: min(row.total for row in plan.strategies.values()) for tp, plan in plans.items()}
+    budget = (least[1] + least[2]) // 2
+    trainer = Trainer(strategy="auto", devices=4, max_steps=2, max_memory_per_rank=budget, **QUIET)
+    trainer.fit(SplitTinyLlama(), loader)
+    return least[1], least[2], trainer.strategy.name, trainer.strategy.tensor_parallel_size
+
+
+def test_auto_strategy_tries_tensor_parallel_when_nothing_fits_without(rank_pool, capfd):
+    """4 ranks and a budget below every strategy's plan at tp 1 but above one at tp 2: strategy="auto" picks that
+    strategy with tensor_parallel_size=2, and the module (split by its configure_model) trains."""
+    least_one, least_two, name, tensor_parallel = rank_pool(4).run(body_auto_with_tensor_parallel)[0]
+    assert least_two < least_one
+    assert tensor_parallel == 2 and name in STRATEGY_ORDER
+    assert "with tensor_parallel_size=2 (nothing fits without)" in capfd.readouterr().out

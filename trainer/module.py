@@ -356,6 +356,15 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         does nothing.
         """
 
+    def tensor_parallel_plan(self) -> dict[str, Any] | None:
+        """The tensor-parallel plan `configure_model` gives torch's `parallelize_module` when
+        `self.device_mesh["tensor_parallel"]` has more than one rank, its paths under this module (e.g.
+        `{f"model.{path}": style for path, style in examples.llama.tensor_parallel_plan().items()}`); None (the
+        default) when the module is not split. `trainer.plan` lays each rank's share out by it, and
+        `strategy="auto"` tries tensor-parallel sizes by it when no strategy fits without. It does not split the
+        module: `configure_model` does."""
+        return None
+
     # ---- hooks, where Lightning calls them ---------------------------------------------------------
     def on_fit_start(self) -> None:
         """Called at the start of `fit`, after the strategy is set up, on every rank."""

@@ -46,11 +46,13 @@ def make_plan(
     forecast: bool = True,
     hardware: Any = None,
     tensor_parallel_plan: Any = None,
+    tensor_parallel: int | None = None,
 ) -> MemoryPlan:
     """The plan at the Trainer's world size and precision, with the options its strategy gives the plan. The batch
     is the module's example_input, else shaped like the train DataLoader's samples. `forecast` adds each
-    strategy's step time on `hardware` (default: this machine's GPU kind, else cpu). Under a strategy's
-    `tensor_parallel_size` > 1, `tensor_parallel_plan` is the module's split (paths under the module)."""
+    strategy's step time on `hardware` (default: this machine's GPU kind, else cpu). At `tensor_parallel` ranks
+    (default: the strategy's `tensor_parallel_size`) > 1, `tensor_parallel_plan` (default: the module's
+    `tensor_parallel_plan()`) is the module's split, its paths under the module."""
     loader, sample = train_dataloaders, None
     if not callable(getattr(module, "example_input", None)):
         loader = loader if loader is not None else module.train_dataloader()
@@ -68,10 +70,15 @@ def make_plan(
         sample=sample,
         forecast=forecast,
         hardware=hardware,
-        tensor_parallel=trainer.strategy.tensor_parallel_size,
-        tensor_parallel_plan=tensor_parallel_plan,
+        tensor_parallel=tensor_parallel or trainer.strategy.tensor_parallel_size,
+        tensor_parallel_plan=tensor_parallel_plan if tensor_parallel_plan is not None else _module_plan(module),
         **options,
     )
+
+
+def _module_plan(module: Any) -> Any:
+    plan = getattr(module, "tensor_parallel_plan", None)
+    return plan() if callable(plan) else None
 
 
 def local_device_memory(trainer: Trainer) -> int:
@@ -96,13 +103,40 @@ def choose_strategy(trainer: Trainer, module: Any, train_dataloaders: Any) -> St
         budget = int(free * AUTO_MARGIN)
         why = f"{AUTO_MARGIN:.0%} of the {format_bytes(free)} free on the fullest GPU"
     plan = make_plan(trainer, module, train_dataloaders=train_dataloaders, forecast=False)
+    tensor_parallel = 1
     try:
         name = plan.choose(budget)
     except ValueError as error:
-        raise ValueError(f"strategy='auto' with {why}: {error} (see trainer.plan(module))") from None
+        split = _with_tensor_parallel(trainer, module, train_dataloaders, budget)
+        if split is None:
+            raise ValueError(f"strategy='auto' with {why}: {error} (see trainer.plan(module))") from None
+        tensor_parallel, plan, name = split
     explanation = plan.explain(name, budget)
     if trainer.world_size == 1:  # every strategy does one process's work on one rank: no engine needed
         name, explanation = "single", f"single: one rank, and its plan fits {format_bytes(budget)} ({explanation})"
+    if tensor_parallel > 1:
+        explanation += f", with tensor_parallel_size={tensor_parallel} (nothing fits without)"
     if trainer.is_global_zero:
         print(f"strategy='auto' ({why}) chose {explanation}", flush=True)
-    return get_strategy(name)
+    strategy = get_strategy(name)
+    strategy.tensor_parallel_size = tensor_parallel
+    return strategy
+
+
+def _with_tensor_parallel(
+    trainer: Trainer, module: Any, train_dataloaders: Any, budget: int
+) -> tuple[int, MemoryPlan, str] | None:
+    """When no strategy fits: the smallest tensor-parallel size within a node (2, 4, 8, ...) at which one does,
+    with that plan and strategy, for a module with a `tensor_parallel_plan()`; else None."""
+    if _module_plan(module) is None:
+        return None
+    per_node = trainer.world_size // trainer.num_nodes
+    size = 2
+    while size <= per_node:
+        if per_node % size == 0:
+            plan = make_plan(trainer, module, train_dataloaders=train_dataloaders, forecast=False, tensor_parallel=size)
+            fitting = plan.fitting(budget)
+            if fitting:
+                return size, plan, fitting[0]
+        size *= 2
+    return None

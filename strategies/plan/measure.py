@@ -176,6 +176,7 @@ def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) 
             comm_overlaps_compute=device.type == "cuda",
         )
         profile = _calibrated(profile, model, args, device)
+        profile = _shared_cores(profile, local, threads, device)
     finally:
         torch.set_num_threads(previous)
     if local > 1 and device.type == "cpu":
@@ -192,6 +193,23 @@ def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) 
         with open(args.save_hardware, "w") as f:
             json.dump(profile.to_json(), f, indent=1)
     return profile
+
+
+def _shared_cores(profile: Hardware, ranks: int, threads: int, device: torch.device) -> Hardware:
+    """On CPU, more ranks' threads than cores share the cores: each rank computes at its share of the rates
+    measured alone."""
+    cores = os.cpu_count() or 1
+    share = min(1.0, cores / (ranks * threads))
+    if device.type != "cpu" or share == 1.0:
+        return profile
+    print(f"{ranks} ranks of {threads} thread(s) share {cores} cores: each computes at {share:.2f} of these rates")
+    return replace(
+        profile,
+        matmul_flops={k: v * share for k, v in profile.matmul_flops.items()},
+        peak_flops={k: v * share for k, v in profile.peak_flops.items()},
+        memory_bandwidth=profile.memory_bandwidth * share,
+        op_overhead=profile.op_overhead / share,
+    )
 
 
 def _calibrated(profile: Hardware, model: nn.Module, args: Any, device: torch.device) -> Hardware:

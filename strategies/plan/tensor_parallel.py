@@ -14,10 +14,12 @@ copy of the model is changed in place into what one of the `size` ranks computes
   parallel) is repeated along the last dimension. Sequence-parallel norms then run on their part of the sequence.
 
 So the fake passes of the plan (activations.py, compute.py) see each rank's parameters, activations and matmuls.
-Each such change of layout is a collective, recorded with its bytes (`TensorParallelCollectives`): in forward as the
-layout changes, in backward its dual (an all-gather's gradient is reduce-scattered and the other way round; a
-row-wise output summed whole, `Replicate`, needs nothing back; a column-wise layer given a plain replicated input
-all-reduces that input's gradient). torch runs these on the compute stream, so they add to the step, overlapped
+Each change of layout is a collective, recorded with its bytes (`TensorParallelCollectives`), as the engine runs
+torch's tensor parallel (checked against torch's CommDebugMode in tests/test_plan.py): in forward as the layout
+changes, in backward its dual (a sequence gathered whole is reduce-scattered back, a reduce-scatter's gradient
+gathered; a column-wise output gathered whole, or a row-wise output summed whole, needs nothing back; a column-wise
+layer given a plain replicated input all-reduces that input's gradient), and the sequence-parallel norms' weight
+gradients all-reduced in backward. torch runs these on the compute stream, so they add to the step, overlapped
 with nothing (async tensor parallel, which overlaps them, is not planned).
 """
 
