@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from strategies import Strategy, get_strategy
 from strategies.plan import MemoryPlan, device_memory_per_rank, format_bytes, parse_bytes, plan_memory
+
+from .module import TrainModule
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -59,21 +63,35 @@ def make_plan(
         sample = _sample(loader) if loader is not None else None
     batch_size = batch_size or getattr(loader, "batch_size", None) or 1
     options = trainer.strategy.plan_options()
-    return plan_memory(
-        module,
-        world_size=trainer.world_size,
-        nodes=trainer.num_nodes,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        precision=trainer.precision.precision,
-        device_memory=device_memory,
-        sample=sample,
-        forecast=forecast,
-        hardware=hardware,
-        tensor_parallel=tensor_parallel or trainer.strategy.tensor_parallel_size,
-        tensor_parallel_plan=tensor_parallel_plan if tensor_parallel_plan is not None else _module_plan(module),
-        **options,
-    )
+    with _attached(module, trainer):  # its configure_model, run on a meta copy, may ask for the trainer's mesh
+        return plan_memory(
+            module,
+            world_size=trainer.world_size,
+            nodes=trainer.num_nodes,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            precision=trainer.precision.precision,
+            device_memory=device_memory,
+            sample=sample,
+            forecast=forecast,
+            hardware=hardware,
+            tensor_parallel=tensor_parallel or trainer.strategy.tensor_parallel_size,
+            tensor_parallel_plan=tensor_parallel_plan if tensor_parallel_plan is not None else _module_plan(module),
+            **options,
+        )
+
+
+@contextmanager
+def _attached(module: Any, trainer: Trainer) -> Iterator[None]:
+    """`module` attached to `trainer` while it is planned (as it is once fit starts), if it is not yet."""
+    if not isinstance(module, TrainModule) or module._trainer is not None:
+        yield
+        return
+    module._trainer = trainer
+    try:
+        yield
+    finally:
+        module._trainer = None
 
 
 def _module_plan(module: Any) -> Any:

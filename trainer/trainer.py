@@ -555,21 +555,16 @@ class Trainer:
             tokens_per_s_per_rank, mfu, exposed_comm_s).
         """
         memory = self.max_memory_per_rank or planning.local_device_memory(self)
-        attached = module._trainer
-        module._trainer = self  # its configure_model, run on a meta copy, may ask for the trainer's mesh
-        try:
-            plan = planning.make_plan(
-                self,
-                module,
-                batch_size,
-                seq_len,
-                train_dataloaders,
-                memory,
-                hardware=hardware,
-                tensor_parallel_plan=tensor_parallel_plan,
-            )
-        finally:
-            module._trainer = attached
+        plan = planning.make_plan(
+            self,
+            module,
+            batch_size,
+            seq_len,
+            train_dataloaders,
+            memory,
+            hardware=hardware,
+            tensor_parallel_plan=tensor_parallel_plan,
+        )
         if self.is_global_zero:
             print(plan.table(), flush=True)
         return plan
