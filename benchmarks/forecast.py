@@ -92,7 +92,15 @@ def tensor_parallel_check(rounds: int) -> None:
         model = Llama(config(shape))
     rows = []
     for ranks in (4, 8):
-        args = SimpleNamespace(world_size=ranks, nodes=1, batch_size=shape.batch, seq_len=shape.seq, save_hardware=None)
+        args = SimpleNamespace(
+            world_size=ranks,
+            nodes=1,
+            batch_size=shape.batch,
+            seq_len=shape.seq,
+            save_hardware=None,
+            tensor_parallel=2,
+            tensor_parallel_plan=tensor_parallel_plan,
+        )
         profile = measure_hardware(model, args, HARDWARE["cpu"])
         plan = plan_memory(
             model,

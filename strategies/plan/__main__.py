@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser, args = parse_args(argv)
     model = load_factory(parser, args.target)
     plan_function = tensor_parallel_plan(parser, args)
+    args.tensor_parallel_plan = plan_function  # (what --measure times tensor parallel with)
     if args.device_memory is not None:
         try:
             memory, where = parse_bytes(args.device_memory, "--device-memory"), "given"

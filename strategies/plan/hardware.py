@@ -41,6 +41,10 @@ class Hardware:
     sources: list[str] = field(default_factory=list)
     # False where collectives run on the cores that compute (gloo on CPU): they add to the step instead of hiding
     comm_overlaps_compute: bool = True
+    # tensor parallel's collectives (DTensor's, on the compute stream) over what the link model gives them: 1 unless
+    # --measure --tensor-parallel N timed a step of N tensor-parallel ranks here (gloo's functional collectives and
+    # the ranks waiting for each other cost more than the engine's collectives the link was fitted to)
+    tensor_parallel_slowdown: float = 1.0
 
     def matmul_rate(self, dtype: torch.dtype) -> float:
         name = str(dtype).removeprefix("torch.")

@@ -111,17 +111,25 @@ def fit_link(samples: list[tuple[str, int, float]], ranks: int) -> Link:
 
 
 def _one_step_seconds(
-    model: nn.Module, batch_size: int, seq_len: int | None, device: torch.device, precision: str = "32"
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int | None,
+    device: torch.device,
+    precision: str = "32",
+    materialize: bool = True,
+    optimizer: bool = True,
 ) -> float | None:
-    """A real AdamW step of the model (tokens in, next-token loss, under the precision's autocast) on this device;
+    """A real AdamW step of the model (tokens in, next-token loss, under the precision's autocast) on this device
+    (`materialize`: the model is a meta copy, made real first; without `optimizer`, forward and backward only);
     None where it is no token model or does not fit."""
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None or seq_len is None:
         return None
     try:
-        model = model.to_empty(device=device)
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.02)
+        if materialize:
+            model = model.to_empty(device=device)
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tokens = torch.randint(embedding.num_embeddings, (batch_size, seq_len), device=device)
 
@@ -131,7 +139,8 @@ def _one_step_seconds(
             with torch.autocast(device.type, dtype=autocast) if autocast else nullcontext():
                 logits = model(tokens)
             F.cross_entropy(logits.flatten(0, -2).float(), tokens.flatten()).backward()
-            opt.step()
+            if optimizer:
+                opt.step()
             opt.zero_grad()
 
         def steps(count: int = 3) -> None:  # queued back to back, as a training loop runs: one wait at the end
@@ -176,7 +185,6 @@ def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) 
             comm_overlaps_compute=device.type == "cuda",
         )
         profile = _calibrated(profile, model, args, device)
-        profile = _shared_cores(profile, local, threads, device)
     finally:
         torch.set_num_threads(previous)
     if local > 1 and device.type == "cpu":
@@ -187,6 +195,10 @@ def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) 
             flush=True,
         )
         profile = replace(profile, intra_node=link, inter_node=link)
+    tensor_parallel = getattr(args, "tensor_parallel", 1)
+    if tensor_parallel > 1 and device.type == "cpu":
+        profile = _tensor_parallel_calibrated(profile, model, args, tensor_parallel, local, threads)
+    profile = _shared_cores(profile, local, threads, device)
     if args.save_hardware:
         import json
 
@@ -195,14 +207,85 @@ def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) 
     return profile
 
 
-def _shared_cores(profile: Hardware, ranks: int, threads: int, device: torch.device) -> Hardware:
+def _tensor_parallel_worker(
+    rank: int, world: int, size: int, port: int, threads: int, model: nn.Module, plan: Any, shape: tuple, results: Any
+) -> None:
+    """One of `world` ranks, in groups of `size` each training its own copy of `model` split by torch's tensor
+    parallel (`plan`), all at once as the planned run shares the cores: rank 0 puts the median seconds of a step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world // size, size), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    torch.manual_seed(0)
+    model = model.to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    model = parallelize_module(model, mesh["tensor_parallel"], plan(model) if callable(plan) else plan)
+    # forward and backward: the engine steps its optimizer on plain local tensors, not on these DTensors
+    seconds = _one_step_seconds(model, *shape, torch.device("cpu"), materialize=False, optimizer=False)
+    if rank == 0:
+        results.put(seconds)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _tensor_parallel_calibrated(
+    profile: Hardware, model: nn.Module, args: Any, size: int, ranks: int, threads: int
+) -> Hardware:
+    """Time a step of `size` tensor-parallel ranks here, `ranks` of them at once (as many as the planned run puts
+    on this machine), and set the profile's tensor_parallel_slowdown so that the forecast of that step (compute at
+    the share of the cores each rank gets) equals it."""
+    from .planner import meta_copy, plan_memory
+
+    plan = args.tensor_parallel_plan
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    shape = (args.batch_size, args.seq_len)
+    mp.start_processes(
+        _tensor_parallel_worker,
+        args=(ranks, size, _free_port(), threads, meta_copy(model), plan, shape, results),
+        nprocs=ranks,
+        start_method="spawn",
+    )
+    measured = results.get()
+    if measured is None:
+        print(f"one step at tensor parallel {size}: not measured (not a token model); the link model only")
+        return profile
+    ranks_share = _shared_cores(profile, ranks, threads, torch.device("cpu"), quiet=True)
+    forecast = plan_memory(
+        model,
+        world_size=size,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        precision=getattr(args, "precision", "32"),
+        hardware=ranks_share,
+        tensor_parallel=size,
+        tensor_parallel_plan=plan,
+    ).forecasts["ddp"]
+    # one data-parallel rank: every collective is tensor parallel's, on the compute clock
+    slowdown = max(0.1, (measured - forecast.compute_s) / forecast.comm_s) if forecast.comm_s else 1.0
+    print(
+        f"forward and backward at tensor parallel {size} ({ranks} ranks at once): measured {measured * 1e3:,.1f} "
+        f"ms, forecast {(forecast.compute_s + forecast.comm_s) * 1e3:,.1f} ms of which collectives "
+        f"{forecast.comm_s * 1e3:,.1f} ms: "
+        f"tensor-parallel collectives take {slowdown:.2f} x the link model's",
+        flush=True,
+    )
+    return replace(profile, tensor_parallel_slowdown=slowdown)
+
+
+def _shared_cores(profile: Hardware, ranks: int, threads: int, device: torch.device, quiet: bool = False) -> Hardware:
     """On CPU, more ranks' threads than cores share the cores: each rank computes at its share of the rates
     measured alone."""
     cores = os.cpu_count() or 1
     share = min(1.0, cores / (ranks * threads))
     if device.type != "cpu" or share == 1.0:
         return profile
-    print(f"{ranks} ranks of {threads} thread(s) share {cores} cores: each computes at {share:.2f} of these rates")
+    if not quiet:
+        print(f"{ranks} ranks of {threads} thread(s) share {cores} cores: each computes at {share:.2f} of these rates")
     return replace(
         profile,
         matmul_flops={k: v * share for k, v in profile.matmul_flops.items()},

@@ -309,7 +309,7 @@ def _forecasts(
     )
     ranks_per_node = world_size // nodes
     tp_link = hardware.intra_node if tp.size <= ranks_per_node else hardware.inter_node
-    cost_with_tp, tp_seconds = with_collectives(cost, collectives, tp_link)
+    cost_with_tp, tp_seconds = with_collectives(cost, collectives, tp_link, hardware.tensor_parallel_slowdown)
     owners = [[name.rpartition(".")[0] for name, _ in bucket] for bucket in gradient_buckets(meta)]
     if param_dtype is not None and param_dtype == next(meta.parameters()).dtype:
         param_dtype = None

@@ -244,11 +244,14 @@ def _prepare(name: str, layouts: Any, desired: Any, size: int, record: TensorPar
     return change
 
 
-def with_collectives(cost: ComputeCost, record: TensorParallelCollectives, link: Link) -> tuple[ComputeCost, float]:
+def with_collectives(
+    cost: ComputeCost, record: TensorParallelCollectives, link: Link, slowdown: float = 1.0
+) -> tuple[ComputeCost, float]:
     """`cost` with the tensor-parallel collectives on its clock (forward's spread over forward's modules in
-    proportion to their time, backward's added to backward), and their seconds."""
-    forward_s = sum(collective_seconds(kind, nbytes, record.size, link) for kind, nbytes in record.forward)
-    backward_s = sum(collective_seconds(kind, nbytes, record.size, link) for kind, nbytes in record.backward)
+    proportion to their time, backward's added to backward), and their seconds: the link's, times `slowdown`
+    (Hardware.tensor_parallel_slowdown)."""
+    forward_s = slowdown * sum(collective_seconds(k, nbytes, record.size, link) for k, nbytes in record.forward)
+    backward_s = slowdown * sum(collective_seconds(k, nbytes, record.size, link) for k, nbytes in record.backward)
     scale = 1 + forward_s / cost.forward_total if cost.forward_total else 1.0
     timed = replace(
         cost, forward=[(owner, s * scale) for owner, s in cost.forward], backward=cost.backward + backward_s
