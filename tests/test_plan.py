@@ -739,3 +739,37 @@ def test_auto_strategy_tries_tensor_parallel_when_nothing_fits_without(rank_pool
     assert least_two < least_one
     assert tensor_parallel == 2 and name in STRATEGY_ORDER
     assert "with tensor_parallel_size=2 (nothing fits without)" in capfd.readouterr().out
+
+
+def test_planned_units_are_in_the_engines_reduction_order(monkeypatch):
+    """fsdp reduces units in the order backward finishes them (the last block first, the root last) and the plan
+    replays its sharded gradients in that order: with the order of a dict of names instead (the root first, and
+    full-precision norm units sorted as text, layers.10 before layers.2), the replay held every gradient until
+    the end, and a 12-layer model planned more units in flight than a 2-layer one."""
+    from dataclasses import replace
+
+    from examples.llama import LLAMA_PRESETS, Llama
+    from examples.llama import Block as LlamaBlock
+    from strategies import FSDPStrategy, MixedPrecision
+    from strategies.plan.model_bytes import plan_units
+    from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
+
+    monkeypatch.setenv(ONE_RANK_COLLECTIVES, "1")  # units as on several ranks
+    config = replace(LLAMA_PRESETS["tiny"], n_layers=12)
+    mixed = MixedPrecision(param_dtype=torch.bfloat16)
+    strategy = FSDPStrategy(auto_wrap_policy={LlamaBlock}, mixed_precision=mixed)
+    strategy.setup_module(Llama(config))
+    with torch.device("meta"):
+        meta = Llama(config)
+    planned = plan_units(meta, strategy.spec, 1, {LlamaBlock}, torch.bfloat16)
+    assert [u.name for u in planned] == [u.name for u in strategy.engine.units]
+    in_flight = {}
+    for layers in (2, 12):
+        with torch.device("meta"):
+            model = Llama(replace(config, n_layers=layers))
+        plan = plan_memory(
+            model, world_size=4, batch_size=2, seq_len=64, precision="bf16-mixed", param_dtype=torch.bfloat16,
+            wrap_policy={LlamaBlock}, activation_checkpointing={LlamaBlock}, forecast=False,
+        )  # fmt: skip
+        in_flight[layers] = plan.strategies["fsdp"].units_in_flight
+    assert in_flight[12] <= in_flight[2] * 1.2

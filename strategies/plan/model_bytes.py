@@ -111,7 +111,10 @@ def plan_units(
         chosen = [name for name, _ in policy_modules(model, resolve_wrap_policy(wrap_policy))]
         if param_dtype is not None and full_precision_norms:  # the engine keeps norms in full precision, as units
             norm_units = full_precision_norm_units(model, set(chosen))
-        groups = list(assign_to_units(model, chosen + sorted(norm_units)).items())
+        wrapped = [name for name, _ in model.named_modules() if name in set(chosen) | norm_units]
+        assigned = assign_to_units(model, wrapped)
+        # in the engine's order, the order backward finishes them in: the last unit of forward first, the root last
+        groups = [(name, assigned[name]) for name in reversed(wrapped)] + [("", assigned[""])]
     else:
         groups = [(f"bucket{i}", bucket) for i, bucket in enumerate(gradient_buckets(model))]
     units = []
