@@ -546,3 +546,26 @@ def test_built_on_meta_and_split_equals_built_eagerly(rank_pool):
     for rank, (held_no_memory, weights) in enumerate(rank_pool(4).run(body_meta_init)):
         assert held_no_memory, rank
         assert max_relative_difference(weights, eager) == 0, rank
+
+
+def body_save_local_pieces(path: str) -> None:
+    """The torch habit gone wrong: rank 0 saves its state dict's local tensors (one tensor-parallel rank's
+    pieces) with torch.save."""
+    strategy = DDPStrategy(tensor_parallel_size=2)
+    torch.manual_seed(0)
+    model = strategy.setup_module(tensor_parallel(Llama(CONFIG), strategy.device_mesh["tensor_parallel"]))
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in model.state_dict().items()}
+    if strategy.global_rank == 0:
+        torch.save({f"model.{k}": v for k, v in local.items()}, path)
+    strategy.barrier()
+
+
+def test_a_checkpoint_of_one_ranks_pieces_is_named_as_such(rank_pool, tmp_path):
+    """Loading one tensor-parallel rank's local pieces where whole tensors belong is refused, and the error says
+    that each is a 1/2 piece of the model's tensor and how to save whole ones."""
+    path = str(tmp_path / "pieces.pt")
+    rank_pool(2).run(body_save_local_pieces, path)
+    trainer = Trainer(devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"1/2 of it along dimension 0: one tensor-parallel rank's piece") as error:
+        trainer.validate(TinyLlama(), DataLoader(TensorDataset(tokens().tensors[0][:2])), ckpt_path=path)
+    assert "layers.0.attention.wq.weight" in str(error.value)

@@ -64,11 +64,29 @@ def problems(
         shape, dtype = expected[key]
         if list(saved[key].shape) != list(shape):
             found.append(f"shape of {key}: checkpoint {list(saved[key].shape)}, model {list(shape)}")
+            found[-1] += _piece_of(list(saved[key].shape), list(shape))
         elif saved[key].dtype != dtype:
             found.append(f"dtype of {key}: checkpoint {saved[key].dtype}, model {dtype}")
     for i, (optimizer, names, ckpt, kind) in enumerate(optimizers):
         found += _optimizer_problems(i, optimizer, names, ckpt, kind, missing | unexpected)
     return found
+
+
+def _piece_of(saved: list[int], whole: list[int]) -> str:
+    """A hint when the checkpoint's tensor is an even piece of the model's along one dimension: one tensor-parallel
+    rank's local tensor, saved as it was."""
+    differ = [d for d, (a, b) in enumerate(zip(saved, whole)) if a != b]
+    if len(saved) != len(whole) or len(differ) != 1 or not saved[differ[0]]:
+        return ""
+    d = differ[0]
+    ranks, rest = divmod(whole[d], saved[d])
+    if rest or ranks < 2:
+        return ""
+    return (
+        f" (1/{ranks} of it along dimension {d}: one tensor-parallel rank's piece, saved from its local tensor; "
+        "save whole tensors with trainer.save_checkpoint or strategy.save, or gather the pieces, "
+        "DTensor.full_tensor())"
+    )
 
 
 def _optimizer_problems(
