@@ -434,16 +434,22 @@ class LitRegression(Regression):
         return F.mse_loss(self.net(batch["x"]), batch["y"])
 
 
-def fit_lit(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
-    """A run on LitData's shuffled stream, which splits itself by rank: the weights, every rank's rows trained."""
+def lit_loader(data: str, workers: int):
     from litdata import StreamingDataLoader, StreamingDataset
 
+    dataset = StreamingDataset(data, shuffle=True, seed=3, drop_last=True)
+    return StreamingDataLoader(dataset, batch_size=LIT_BATCH, num_workers=workers)
+
+
+def fit_library_stream(
+    root: str, make_loader, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None
+) -> dict:
+    """A run on a library's shuffled stream (`make_loader(data, workers)`), which splits itself by rank: the
+    weights, every rank's rows trained."""
     from callbacks import ModelCheckpoint
 
     seed_everything(0)
-    loader = StreamingDataLoader(
-        StreamingDataset(data, shuffle=True, seed=3, drop_last=True), batch_size=LIT_BATCH, num_workers=workers
-    )
+    loader = make_loader(data, workers)
     saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_top_k=-1, filename="{step}")
     devices = dist.get_world_size() if dist.is_initialized() else 1
     trainer = Trainer(
@@ -461,6 +467,10 @@ def fit_lit(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_
     trainer.fit(module, loader, ckpt_path=ckpt_path)
     trained = trainer.strategy.all_gather_object(module.trained)
     return {"weights": trainer.strategy.full_state_dict(), "trained": trained}
+
+
+def fit_lit(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
+    return fit_library_stream(root, lit_loader, data, name, workers, max_steps, ckpt_path)
 
 
 def body_lit(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
@@ -513,34 +523,17 @@ def mds_data(tmp_path_factory) -> str:
     return folder
 
 
-def fit_mds(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
-    """A run on MosaicML's shuffled stream, which splits itself by rank: the weights, every rank's rows trained."""
+def mds_loader(data: str, workers: int):
     from streaming import StreamingDataLoader, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
 
-    from callbacks import ModelCheckpoint
-
     clean_stale_shared_memory()  # what an earlier run in this process left behind
-    seed_everything(0)
-    devices = dist.get_world_size() if dist.is_initialized() else 1
     dataset = StreamingDataset(local=data, shuffle=True, shuffle_seed=3, batch_size=LIT_BATCH)
-    loader = StreamingDataLoader(dataset, batch_size=LIT_BATCH, num_workers=workers)
-    saver = ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), every_n_train_steps=4, save_top_k=-1, filename="{step}")
-    trainer = Trainer(
-        strategy=FSDPStrategy() if name == "fsdp" else name,
-        devices=devices,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[saver],
-        default_root_dir=root,
-        global_batch_size=8,
-    )
-    module = LitRegression()
-    trainer.fit(module, loader, ckpt_path=ckpt_path)
-    trained = trainer.strategy.all_gather_object(module.trained)
-    return {"weights": trainer.strategy.full_state_dict(), "trained": trained}
+    return StreamingDataLoader(dataset, batch_size=LIT_BATCH, num_workers=workers)
+
+
+def fit_mds(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:
+    return fit_library_stream(root, mds_loader, data, name, workers, max_steps, ckpt_path)
 
 
 def body_mds(root: str, data: str, name: str, workers: int, max_steps: int, ckpt_path: str | None = None) -> dict:

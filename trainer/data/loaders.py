@@ -111,23 +111,31 @@ def distributed_loader(
             seed_samples=loader.num_workers > 0,
         )
         sampling = {"batch_size": loader.batch_size, "sampler": sampler, "drop_last": loader.drop_last}
+    rebuilt = like(loader, loader.dataset, **sampling)
+    _report_repeated_samples(rebuilt, rank)
+    return rebuilt
+
+
+def like(loader: DataLoader, dataset: Any, workers: int | None = None, persistent: bool = True, **sampling) -> Any:
+    """A loader of `loader`'s kind and options over `dataset`, batched by `sampling` (batch_size, sampler,
+    batch_sampler, drop_last), with `workers` (default: as many as `loader`'s), kept between epochs only if
+    `persistent` and `loader`'s were."""
     loader_class, extra = _same_kind(loader)
-    rebuilt = loader_class(
-        loader.dataset,
+    workers = loader.num_workers if workers is None else workers
+    return loader_class(
+        dataset,
         **sampling,
-        num_workers=loader.num_workers,
+        num_workers=workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
         worker_init_fn=loader.worker_init_fn,
         multiprocessing_context=loader.multiprocessing_context,
         generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-        persistent_workers=loader.persistent_workers,
+        prefetch_factor=(loader.prefetch_factor or 2) if workers > 0 else None,
+        persistent_workers=persistent and loader.persistent_workers and workers > 0,
         **extra,
     )
-    _report_repeated_samples(rebuilt, rank)
-    return rebuilt
 
 
 def _torchdata_random_sampler() -> tuple[type, ...]:

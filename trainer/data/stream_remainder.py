@@ -29,7 +29,10 @@ from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
+from torch.utils.data import DataLoader
+
 from .loader_state import LOADER_STATE_ARGUMENT, stateful_part
+from .loaders import like
 
 _END = object()
 KEY = "stream_remainder"  # marks a checkpoint's loader entry written inside such an epoch
@@ -150,7 +153,13 @@ class StreamRemainder:
         old_dataset = copy.deepcopy(dataset)  # (a restore changes the iterables the dataset holds)
         old_dataset._distributed = distributed  # the split datasets would make for that rank
         state = self.parts[old].state
-        old_loader = _same_loader(self.loader, old_dataset, _saved_workers(state))
+        if not isinstance(self.loader, DataLoader):
+            raise ValueError(
+                "a HuggingFace stream resumed on another number of ranks is read through a DataLoader or "
+                f"torchdata's StatefulDataLoader; the training loader is a {type(self.loader).__name__}"
+            )
+        batching = {"batch_size": self.loader.batch_size, "drop_last": self.loader.drop_last}
+        old_loader = like(self.loader, old_dataset, _saved_workers(state), persistent=False, **batching)
         if state is not None:
             stateful_part(old_loader).load_state_dict(state)
         return old_loader
@@ -179,34 +188,3 @@ def _saved_workers(state: Any) -> int | None:
     if not isinstance(state, dict) or "_iterator_finished" not in state:
         return None
     return len(state["_snapshot"]["_worker_snapshots"]) if "_snapshot" in state else 0
-
-
-def _same_loader(loader: Any, dataset: Any, workers: int | None) -> Any:
-    """A loader like `loader` (a DataLoader or torchdata's StatefulDataLoader) over `dataset`, with `workers`
-    (None: as many as `loader`'s)."""
-    from torch.utils.data import DataLoader
-
-    if not isinstance(loader, DataLoader):
-        raise ValueError(
-            f"a HuggingFace stream resumed on another number of ranks is read through a DataLoader or torchdata's "
-            f"StatefulDataLoader; the training loader is a {type(loader).__name__}"
-        )
-    extra = {}
-    if hasattr(loader, "snapshot_every_n_steps"):  # torchdata's StatefulDataLoader
-        extra = {"snapshot_every_n_steps": loader.snapshot_every_n_steps, "in_order": loader.in_order}
-    workers = loader.num_workers if workers is None else workers
-    return type(loader)(
-        dataset,
-        batch_size=loader.batch_size,
-        drop_last=loader.drop_last,
-        num_workers=workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=(loader.prefetch_factor or 2) if workers > 0 else None,
-        persistent_workers=False,
-        **extra,
-    )
