@@ -717,8 +717,12 @@ class SplitTinyLlama(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
-def body_auto_with_tensor_parallel() -> tuple[int, int, str, int]:
-    """The smallest plan at tp 1 and at tp 2 on 4 ranks, and what strategy="auto" chooses for a budget between."""
+def body_auto_with_tensor_parallel() -> tuple[int, int, str, int, str]:
+    """The smallest plan at tp 1 and at tp 2 on 4 ranks, and what strategy="auto" chooses for a budget between
+    (with what it printed)."""
+    import contextlib
+    import io
+
     loader = DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 256, (16, 33))), batch_size=2)
     trainer = Trainer(strategy="auto", devices=4, **QUIET)
     plans = {
@@ -728,17 +732,19 @@ def body_auto_with_tensor_parallel() -> tuple[int, int, str, int]:
     least = {tp: min(row.total for row in plan.strategies.values()) for tp, plan in plans.items()}
     budget = (least[1] + least[2]) // 2
     trainer = Trainer(strategy="auto", devices=4, max_steps=2, max_memory_per_rank=budget, **QUIET)
-    trainer.fit(SplitTinyLlama(), loader)
-    return least[1], least[2], trainer.strategy.name, trainer.strategy.tensor_parallel_size
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit(SplitTinyLlama(), loader)
+    return least[1], least[2], trainer.strategy.name, trainer.strategy.tensor_parallel_size, printed.getvalue()
 
 
-def test_auto_strategy_tries_tensor_parallel_when_nothing_fits_without(rank_pool, capfd):
+def test_auto_strategy_tries_tensor_parallel_when_nothing_fits_without(rank_pool):
     """4 ranks and a budget below every strategy's plan at tp 1 but above one at tp 2: strategy="auto" picks that
-    strategy with tensor_parallel_size=2, and the module (split by its configure_model) trains."""
-    least_one, least_two, name, tensor_parallel = rank_pool(4).run(body_auto_with_tensor_parallel)[0]
+    strategy with tensor_parallel_size=2, says so, and the module (split by its configure_model) trains."""
+    least_one, least_two, name, tensor_parallel, printed = rank_pool(4).run(body_auto_with_tensor_parallel)[0]
     assert least_two < least_one
     assert tensor_parallel == 2 and name in STRATEGY_ORDER
-    assert "with tensor_parallel_size=2 (nothing fits without)" in capfd.readouterr().out
+    assert "with tensor_parallel_size=2 (nothing fits without)" in printed
 
 
 def test_planned_units_are_in_the_engines_reduction_order(monkeypatch):
