@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.ranks import RankPool
+from tests.ranks import RankPool, restore_environment
 
 # The processes the tests start (rank programs in tests/scripts under torchrun, srun's variables or the Trainer's own
 # launcher) compute with one thread each, so that their arithmetic is the same under any launcher: torchrun sets
@@ -26,9 +26,7 @@ def _environment_restored() -> Iterator[None]:
     (Lightning's Trainer sets rank variables); the rank pool's bodies get the same (tests/ranks.py)."""
     environment = dict(os.environ)
     yield
-    if os.environ != environment:
-        os.environ.clear()
-        os.environ.update(environment)
+    restore_environment(environment)
 
 
 @pytest.fixture(scope="session")

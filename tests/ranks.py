@@ -196,9 +196,17 @@ def _call(module: str, qualname: str, args: tuple, kwargs: dict) -> tuple:
         return ("error", text, exc_bytes)
     finally:
         os.chdir(ROOT)
-        if os.environ != environment:
-            os.environ.clear()
-            os.environ.update(environment)
+        restore_environment(environment)
+
+
+def restore_environment(environment: dict[str, str]) -> None:
+    """Put back what changed since `environment` was taken, touching only those variables: the process has other
+    threads (gloo's), and a C-level getenv racing a wholesale clear of the environment can crash."""
+    for name in set(os.environ) - set(environment):
+        del os.environ[name]
+    for name, value in environment.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def _abandon_group() -> None:
