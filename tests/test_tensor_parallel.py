@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -569,3 +570,29 @@ def test_a_checkpoint_of_one_ranks_pieces_is_named_as_such(rank_pool, tmp_path):
     with pytest.raises(ValueError, match=r"1/2 of it along dimension 0: one tensor-parallel rank's piece") as error:
         trainer.validate(TinyLlama(), DataLoader(TensorDataset(tokens().tensors[0][:2])), ckpt_path=path)
     assert "layers.0.attention.wq.weight" in str(error.value)
+
+
+def body_save_four_heads(path: str) -> dict[str, torch.Tensor]:
+    """dp 2 x tp 2 under fsdp, four key/value heads (so that tp 4 can split them too): two steps, a checkpoint."""
+    trainer = fit(TinyLlama(n_kv_heads=4), make_strategy("fsdp", 2), 4, PER_RANK_BATCH, steps=2)
+    trainer.save_checkpoint(path)
+    return trainer.strategy.full_state_dict()
+
+
+def body_resume_four_heads(tensor_parallel_size: int, per_rank_batch: int, path: str) -> dict[str, torch.Tensor]:
+    """From that checkpoint to the third step under fsdp at `tensor_parallel_size` on this pool's ranks, with the
+    same global batch (each micro-batch the same samples: the sampler deals them to the ranks in turn)."""
+    strategy = make_strategy("fsdp", tensor_parallel_size)
+    trainer = fit(TinyLlama(n_kv_heads=4), strategy, dist.get_world_size(), per_rank_batch, ckpt_path=path)
+    return trainer.strategy.full_state_dict()
+
+
+def test_a_dp2_x_tp2_checkpoint_resumes_under_tp4_and_under_plain_fsdp_on_four_ranks(rank_pool, tmp_path):
+    """The same checkpoint, resumed at tp 4 (dp 2 x tp 4, eight ranks) and at tp 1 (fsdp on four ranks, half the
+    batch per rank): one process's weights at the third step."""
+    path = str(tmp_path / "dp2_tp2")
+    want = fit(TinyLlama(n_kv_heads=4), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
+    rank_pool(4).run(body_save_four_heads, path)
+    for tensor_parallel_size, ranks, per_rank_batch in ((4, 8, PER_RANK_BATCH), (1, 4, PER_RANK_BATCH // 2)):
+        got = rank_pool(ranks).run(body_resume_four_heads, tensor_parallel_size, per_rank_batch, path)[0]
+        assert max_relative_difference(got, want) <= TOLERANCE["adamw"], tensor_parallel_size
