@@ -230,15 +230,16 @@ def body_torch_clip(tensor_parallel_size: int) -> dict[str, tuple[dict[str, torc
 
 
 def body_eight_ranks() -> dict[str, dict[str, torch.Tensor]]:
-    """dp 4 x tp 2 under zero2, hsdp 2 x 2 x tp 2 (fsdp sharding in pairs of data-parallel ranks, replicated
-    across the pairs), and dp 2 x tp 4 under ddp (four key/value heads, so that tp 4 splits them)."""
+    """Every strategy at dp 4 x tp 2 and at dp 2 x tp 4 (four key/value heads, so that tp 4 splits them) with
+    SGD, fsdp at dp 4 x tp 2 with AdamW too, and hsdp 2 x 2 x tp 2 (fsdp sharding in pairs of data-parallel
+    ranks, replicated across the pairs)."""
     block = type(Llama(CONFIG).layers[0])
     hsdp = FSDPStrategy(auto_wrap_policy={block}, hybrid_shard=2, tensor_parallel_size=2)
-    out = {
-        "zero2 dp 4 x tp 2": fit(TinyLlama("sgd"), make_strategy("zero2", 2), 8, PER_RANK_BATCH),
-        "hsdp 2 x 2 x tp 2": fit(TinyLlama("sgd"), hsdp, 8, PER_RANK_BATCH),
-        "ddp dp 2 x tp 4": fit(TinyLlama("sgd", n_kv_heads=4), DDPStrategy(tensor_parallel_size=4), 8, PER_RANK_BATCH),
-    }
+    out = {"hsdp 2 x 2 x tp 2": fit(TinyLlama("sgd"), hsdp, 8, PER_RANK_BATCH)}
+    for name in STRATEGIES:
+        out[f"{name} dp 4 x tp 2"] = fit(TinyLlama("sgd"), make_strategy(name, 2), 8, PER_RANK_BATCH)
+        out[f"{name} dp 2 x tp 4"] = fit(TinyLlama("sgd", n_kv_heads=4), make_strategy(name, 4), 8, PER_RANK_BATCH)
+    out["fsdp dp 4 x tp 2 adamw"] = fit(TinyLlama("adamw"), make_strategy("fsdp", 2), 8, PER_RANK_BATCH)
     return {name: trainer.strategy.full_state_dict() for name, trainer in out.items()}
 
 
@@ -498,12 +499,16 @@ def test_torch_clip_grad_norm_on_the_module_takes_the_norm_over_every_piece(rank
         assert max_relative_difference(weights, want) <= TOLERANCE["sgd"], name
 
 
-def test_eight_ranks_dp4_x_tp2_hsdp_x_tp2_and_dp2_x_tp4(rank_pool):
+def test_eight_ranks_every_strategy_at_dp4_x_tp2_and_dp2_x_tp4_and_hsdp_x_tp2(rank_pool):
     results = rank_pool(8).run(body_eight_ranks)[0]
     dp4 = fit(TinyLlama("sgd"), "single", 1, PER_RANK_BATCH * 4).strategy.full_state_dict()
     dp2 = fit(TinyLlama("sgd", n_kv_heads=4), "single", 1, PER_RANK_BATCH * 2).strategy.full_state_dict()
-    for name, want in (("zero2 dp 4 x tp 2", dp4), ("hsdp 2 x 2 x tp 2", dp4), ("ddp dp 2 x tp 4", dp2)):
-        assert max_relative_difference(results[name], want) <= TOLERANCE["sgd"], name
+    adamw = fit(TinyLlama("adamw"), "single", 1, PER_RANK_BATCH * 4).strategy.full_state_dict()
+    assert len(results) == 2 * len(STRATEGIES) + 2
+    for name, got in results.items():
+        want = adamw if "adamw" in name else dp2 if "tp 4" in name else dp4
+        tolerance = TOLERANCE["adamw" if "adamw" in name else "sgd"]
+        assert max_relative_difference(got, want) <= tolerance, name
 
 
 def test_ema_under_tensor_parallel_checkpoints_one_process_average(rank_pool, tmp_path):
