@@ -67,10 +67,11 @@ def _undo_tensor_parallel(model: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """The tensor-parallel split the plan lays out: `size` ranks a group, by `plan` (resolve_plan's)."""
+    """The tensor-parallel split the plan lays out: `size` ranks a group, by `plan` (what parallelize_module
+    takes, or a function of the model returning it; resolved on each copy)."""
 
     size: int = 1
-    plan: dict[str, Any] | None = None
+    plan: Any = None
 
 
 def _planning_copy(
@@ -83,7 +84,7 @@ def _planning_copy(
         meta.to(TRUE_DTYPES[precision])
     if tp.size == 1:
         return meta, TensorParallelCollectives(1)
-    return meta, split_for_one_rank(meta, tp.plan, tp.size)
+    return meta, split_for_one_rank(meta, resolve_plan(meta, tp.plan), tp.size)
 
 
 def _check(world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str, tp: int) -> None:
@@ -349,4 +350,4 @@ def _tensor_parallel(model: nn.Module, size: int, plan: Any) -> TensorParallel:
             "configure_model gives torch's parallelize_module (or a function of the model returning it), e.g. "
             "examples.llama.tensor_parallel_plan"
         )
-    return TensorParallel(size, resolve_plan(meta_copy(model), plan))
+    return TensorParallel(size, plan)

@@ -87,7 +87,6 @@ class LoaderPosition:
         self.pending_from: tuple[str, int] | None = None  # (the checkpoint, its world size) when pending
         self._taken: dict | None = None  # state after the latest batch taken, when batches are looked ahead
         self.remainder: Any = None  # what the resumed epoch reads instead of the loader (stream_remainder.py)
-        self._after_remainder = False
 
     def attach(self, loader: Any) -> None:
         self.target, self._taken = stateful_part(loader), None
@@ -97,11 +96,9 @@ class LoaderPosition:
         loader."""
         if self.remainder is not None:
             source, self.remainder = self.remainder, None
-            self.target, self._taken, self._after_remainder = source, None, True
+            self.target, self._taken = source, None
             return source
-        if self._after_remainder:  # the epochs after it read the loader again
-            self.attach(loader)
-            self._after_remainder = False
+        self.attach(loader)  # (after a remainder's epoch, the loader again)
         return loader
 
     def capture(self) -> dict | None:
