@@ -50,7 +50,7 @@ PARTS: dict[str, Part] = {
     "fused_adamw": Part("correctness", "part_fused_adamw", 150, 5),
     "checkpoint": Part("correctness", "part_checkpoint", 150, 3),
     "auto": Part("correctness", "part_auto", 120, 1),
-    "two_ranks": Part("two_ranks", "part_two_ranks", 240, 4),
+    "two_ranks": Part("two_ranks", "part_two_ranks", 300, 9),
     "streams": Part("streams", "part_streams", 120, 1, speed=True),
     "speed": Part("speed", "part_speed", 240, 1, speed=True, cpu_checks=0),
     "overhead": Part("speed", "part_overhead", 120, 0, speed=True),
@@ -177,6 +177,7 @@ def print_speed(outcomes: list[Outcome]) -> None:
         print(f"{'variant':15} {'step ms':>9} {'us per unit over torch':>23}")
         for r in overhead:
             print(f"{r['variant']:15} {r['step_ms']:9.3f} {r['us_per_unit']:23.1f}")
+    print_host_split([r for o in outcomes for r in o.rows if r["kind"] == "host_split"])
     for r in (r for o in outcomes for r in o.rows if r["kind"] == "note"):
         print(f"\n{r['text']}")
     for r in (r for o in outcomes for r in o.rows if r["kind"] == "trace"):
@@ -185,6 +186,23 @@ def print_speed(outcomes: list[Outcome]) -> None:
             f"on {r['comm_streams']}, {r['overlap_us']:.0f} of {r['comm_us']:.0f} us overlapping compute; "
             f"{r['comm_names']}"
         )
+
+
+def print_host_split(rows: list[dict[str, Any]]) -> None:
+    """The host's microseconds per step by what spends them (gpu/host_split.py), and fsdp's extra per unit."""
+    from benchmarks.gpu.host_split import CLASSES, per_unit_difference
+
+    if not rows:
+        return
+    print("\nHost time per step by what spends it (us; GPT-2 table, profiled steps)")
+    print(f"{'variant':15} {'host ms':>8} " + " ".join(f"{c:>15}" for c in CLASSES))
+    for r in rows:
+        print(f"{r['variant']:15} {r['host_ms']:8.2f} " + " ".join(f"{r['split_us'][c]:15.0f}" for c in CLASSES))
+    by_name = {r["variant"]: r for r in rows}
+    if "torch" in by_name and "fsdp@nccl" in by_name:
+        extra = per_unit_difference(by_name["fsdp@nccl"]["split_us"], by_name["torch"]["split_us"], rows[0]["units"])
+        cells = ", ".join(f"{c} {extra[c]:+.0f}" for c in CLASSES)
+        print(f"fsdp's many-GPU path over plain torch, us per unit ({rows[0]['units']} units): {cells}")
 
 
 def environment() -> str:

@@ -24,6 +24,7 @@ from examples.gpt import GPT, Block, GPTConfig
 from strategies import FSDPStrategy, get_strategy
 
 from .common import Settings, check, lm_loss, new_gpt, one_rank_collectives, report, token_batches
+from .host_split import split_host_time
 
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s by the vendors' datasheets
 Step = Callable[[], None]
@@ -152,7 +153,7 @@ def run_interleaved(
                 results[name]["times"] += timed_steps(built[name], steps, settings, results[name]["host"])
     for name in (n for n in variants if n in profiled):
         with collectives_of(name):
-            profile_steps(name, built[name], settings)
+            profile_steps(name, built[name], settings, units=config.n_layer + 1)
     return results
 
 
@@ -180,19 +181,30 @@ PROFILED = ("torch", "fsdp@nccl")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # (not ...Async)
 
 
-def profile_steps(name: str, step: Step, settings: Settings, steps: int = 3) -> None:
-    """Report the host's busiest operations, per step, and its waits for the device inside the steps; the trace
-    goes to --out-dir."""
+def profile_steps(name: str, step: Step, settings: Settings, units: int, steps: int = 3) -> None:
+    """Report where the host's time per step goes (host_split.py), and on the GPU its busiest operations and its
+    waits for the device inside the steps; the trace goes to --out-dir."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    if settings.device != "cuda":
-        return
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = settings.device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    host = 0.0
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         for _ in range(steps):
+            began = time.perf_counter()
             with record_function(STEP_MARK):
                 step()
-        torch.cuda.synchronize()
+            host += time.perf_counter() - began
+        if cuda:
+            torch.cuda.synchronize()
+    split = split_host_time(prof.events(), host, steps, STEP_MARK)
+    report("host_split", variant=name, units=units, split_us=split, host_ms=host / steps * 1e3)
+    if settings.out_dir:
+        prof.export_chrome_trace(os.path.join(settings.out_dir, f"speed_{name.replace('@', '_')}.json"))
+    if not cuda:
+        return
     events = prof.key_averages()
     waits = {key: count / steps for key, count in waits_inside_steps(prof.events(), SYNCS).items()}
     busiest = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
@@ -205,8 +217,6 @@ def profile_steps(name: str, step: Step, settings: Settings, steps: int = 3) -> 
             stalls == 0,
             f"{stalls:g} synchronizations or blocking copies per step",
         )
-    if settings.out_dir:
-        prof.export_chrome_trace(os.path.join(settings.out_dir, f"speed_{name.replace('@', '_')}.json"))
 
 
 STEP_MARK = "shardtrain_profiled_step"

@@ -5,18 +5,28 @@ GPU: the engine's collectives take the many-rank path (reduce-scatter, all-gathe
 all_reduce on CUDA tensors, its point-to-point messages through host copies (collectives.py). Each rank trains
 on its half of every batch; the weights after the steps must equal plain torch's on the whole batch (fp32, TF32
 off, 1e-5), as on the CPU ranks of the test suite.
+
+Two more kinds of check use the same two ranks:
+- tensor parallel: the Llama example split over both ranks by torch's own tensor parallel (DTensor, whose
+  collectives then run over gloo on CUDA tensors), each strategy sharding the pieces over a data-parallel group
+  of one; both ranks train on the whole batch.
+- a world size that changes: fsdp on the two ranks saves a checkpoint halfway, and this part's own process (one
+  rank, on the GPU's own backend) loads it and trains on, as a run that lost a rank resumes.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from strategies import FSDPStrategy, get_strategy
+from examples.llama import LLAMA_PRESETS, Llama
+from examples.llama import tensor_parallel as split_llama
+from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy, get_strategy
 
 from .common import (
     Settings,
@@ -40,11 +50,14 @@ TOLERANCE = 1e-5
 
 
 def part_two_ranks(settings: Settings) -> None:
-    """Start two ranks on this device; rank 0 reports the checks."""
-    mp.spawn(_rank, args=(free_port(), settings.device, settings.tiny), nprocs=WORLD_SIZE, join=True)
+    """Start two ranks on this device; rank 0 reports the checks. Then resume their checkpoint here, on one."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "two-ranks")
+        mp.spawn(_rank, args=(free_port(), settings.device, settings.tiny, path), nprocs=WORLD_SIZE, join=True)
+        guarded(ELASTIC, _resume_on_one_rank, settings, path)
 
 
-def _rank(rank: int, port: int, device: str, tiny: bool) -> None:
+def _rank(rank: int, port: int, device: str, tiny: bool, path: str) -> None:
     settings = Settings(device, tiny)
     if device == "cuda":
         torch.cuda.set_device(0)  # both ranks: the same GPU
@@ -68,6 +81,13 @@ def _rank(rank: int, port: int, device: str, tiny: bool) -> None:
                 guarded(label, _parity, settings, name, rank, label)
             else:
                 _parity(settings, name, rank, label)
+        for name in STRATEGIES:
+            label = f"tensor parallel 2 on one {device.upper()} {name} fp32"
+            if rank == 0:
+                guarded(label, _tensor_parallel_parity, settings, name, rank, label)
+            else:
+                _tensor_parallel_parity(settings, name, rank, label)
+        _save_halfway(settings, rank, path)
     finally:
         dist.destroy_process_group()
 
@@ -98,4 +118,116 @@ def _parity(settings: Settings, name: str, rank: int, label: str) -> None:
             difference <= TOLERANCE and placement == {device.type},
             f"max relative difference {difference:.1e} (limit {TOLERANCE:.0e}); parameters on {placement}",
         )
+    strategy.teardown()
+
+
+# ----------------------------------------------------------------------------------------- tensor parallel
+
+LLAMA = LLAMA_PRESETS["tiny"]
+TP_BATCH, TP_SEQ = 4, 16
+
+
+def _llama_batches(steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, LLAMA.vocab_size, (TP_BATCH, TP_SEQ + 1), generator=generator) for _ in range(steps)]
+
+
+def _llama_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _plain_llama(device: torch.device, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Llama(LLAMA).to(device)
+    optimizer = make_optimizer(model.parameters(), "sgd")
+    for tokens in batches:
+        _llama_step(model, optimizer, tokens.to(device))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _tensor_parallel_strategy(name: str) -> object:
+    if name == "ddp":
+        return DDPStrategy(tensor_parallel_size=WORLD_SIZE)
+    if name in ("zero1", "zero2"):
+        return ZeroStrategy(stage=int(name[-1]), tensor_parallel_size=WORLD_SIZE)
+    return FSDPStrategy(auto_wrap_policy={type(Llama(LLAMA).layers[0])}, tensor_parallel_size=WORLD_SIZE)
+
+
+def _tensor_parallel_parity(settings: Settings, name: str, rank: int, label: str) -> None:
+    """The Llama example split over both ranks (column- and row-wise projections, sequence-parallel norms);
+    every rank reads the whole batch. The weights after the steps equal plain torch's (SGD with momentum)."""
+    device = settings.torch_device
+    batches = _llama_batches(STEPS)
+    want = _plain_llama(device, batches)
+    strategy = _tensor_parallel_strategy(name)
+    strategy.connect(device, WORLD_SIZE, rank)
+    torch.manual_seed(0)
+    model = split_llama(Llama(LLAMA), strategy.device_mesh["tensor_parallel"])
+    model = strategy.setup_module(model)
+    optimizer = strategy.setup_optimizer(make_optimizer(model.parameters(), "sgd"))
+    for tokens in batches:
+        _llama_step(model, optimizer, tokens.to(device))
+    placement = {p.device.type for p in model.parameters()}
+    held = sum(p.numel() for p in model.parameters()) / sum(v.numel() for v in want.values())
+    got = strategy.full_state_dict()
+    if rank == 0:
+        difference = max_relative_difference(got, want)
+        check(
+            label,
+            difference <= TOLERANCE and placement == {device.type} and held < 0.9,
+            f"max relative difference {difference:.1e} (limit {TOLERANCE:.0e}); parameters on {placement}; "
+            f"this rank holds {held:.0%} of the model's elements",
+        )
+    strategy.teardown()
+
+
+# ----------------------------------------------------------------------------------- a world size that changes
+
+ELASTIC = "a checkpoint of two ranks resumes on one (fsdp)"
+
+
+def _save_halfway(settings: Settings, rank: int, path: str) -> None:
+    """fsdp on both ranks, each on half of every batch: STEPS steps, then a checkpoint (every rank writes its
+    shards; the part's process resumes it on one rank)."""
+    config = small_config(settings)
+    local = 2 if settings.tiny else 4
+    batches = token_batches(config, STEPS, local * WORLD_SIZE)
+    strategy = FSDPStrategy(**wrap_blocks())
+    strategy.connect(settings.torch_device, WORLD_SIZE, rank)
+    model = strategy.setup_module(new_gpt(config))
+    optimizer = strategy.setup_optimizer(make_optimizer(model.parameters(), "sgd"))
+    for x, y in batches:
+        mine = slice(rank * local, (rank + 1) * local)
+        lm_loss(model(x[mine].to(settings.torch_device)), y[mine].to(settings.torch_device)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    strategy.save(path, {"model": model, "optimizer": optimizer, "step": STEPS})
+    strategy.teardown()
+
+
+def _resume_on_one_rank(settings: Settings, path: str) -> None:
+    """Load the two ranks' checkpoint here (one rank) and train STEPS more steps on whole batches: the weights
+    equal plain torch's after all 2 x STEPS steps (SGD with momentum: the momentum buffers come back too)."""
+    config = small_config(settings)
+    local = 2 if settings.tiny else 4
+    batches = token_batches(config, STEPS, local * WORLD_SIZE) + token_batches(config, STEPS, local * WORLD_SIZE, 2)
+    want, _ = plain_run(settings, config, batches)
+    strategy = FSDPStrategy(**wrap_blocks())
+    model = strategy.setup_module(new_gpt(config, seed=1))  # other weights: all of them come from the checkpoint
+    optimizer = strategy.setup_optimizer(make_optimizer(model.parameters(), "sgd"))
+    extra = strategy.load(path, {"model": model, "optimizer": optimizer})
+    device = settings.torch_device
+    for x, y in batches[STEPS:]:
+        lm_loss(model(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    difference = max_relative_difference(strategy.full_state_dict(), want)
+    check(
+        ELASTIC,
+        difference <= TOLERANCE and extra == {"step": STEPS} and strategy.world_size == 1,
+        f"max relative difference {difference:.1e} after {STEPS} steps on two ranks and {STEPS} on one "
+        f"(limit {TOLERANCE:.0e}); saved step {extra.get('step')}",
+    )
     strategy.teardown()
