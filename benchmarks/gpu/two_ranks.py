@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -85,8 +86,11 @@ def _rank(rank: int, port: int, device: str, tiny: bool, path: str) -> None:
             label = f"tensor parallel 2 on one {device.upper()} {name} fp32"
             if rank == 0:
                 guarded(label, _tensor_parallel_parity, settings, name, rank, label)
-            else:
-                _tensor_parallel_parity(settings, name, rank, label)
+            else:  # DTensor's collectives over gloo on CUDA tensors may fail alike on both ranks: go on, as rank 0
+                try:
+                    _tensor_parallel_parity(settings, name, rank, label)
+                except Exception:
+                    traceback.print_exc()
         _save_halfway(settings, rank, path)
     finally:
         dist.destroy_process_group()
