@@ -5,6 +5,7 @@ show. All variants of a table run in one run, interleaved step by step.
     python -m benchmarks.overhead --part one --rounds 7
     python -m benchmarks.overhead --part two --variants torch-ddp,zero2
     python -m benchmarks.overhead --part one --isolated   # each variant in a process of its own
+    python -m benchmarks.overhead --part one --split 4    # and where each variant's host time goes
 
 Model: examples.gpt GPT with 48 Blocks of width 64 (4 heads, 64 tokens, vocabulary 256), batch 2, fp32,
 AdamW(foreach=True), one thread per process. A step is model(x), cross-entropy, backward, optimizer.step(),
@@ -184,6 +185,8 @@ def part_one(args: argparse.Namespace) -> None:
     else:
         init(0, 1, free_port())
         times = run_interleaved(variants, args.rounds, args.steps, args.warmup, 0, barrier=False)
+        if args.split:
+            print_split(variants, args.split)
         dist.destroy_process_group()
     where = "each variant in a process of its own" if args.isolated else "every variant in this process"
     print(
@@ -213,6 +216,44 @@ def part_one(args: argparse.Namespace) -> None:
                 f"host {ratio_of(extra[a][1], extra[b][1]):.2f}; paired by round (wall) {paired:.2f}, "
                 f"95% bootstrap interval {low:.2f}-{high:.2f}"
             )
+
+
+def print_split(variants: list[str], steps: int) -> None:
+    """Each variant's host time per step split by what spends it (benchmarks/gpu/host_split.py), from `steps`
+    profiled steps of each in turn (three times, averaged), and the extra per unit over plain torch by class."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.gpu.host_split import CLASSES, per_unit_difference, split_host_time
+
+    mark, repeats = "overhead_step", 3
+    built = {}
+    for name in variants:
+        with collectives_of(name):
+            built[name] = build(name, 0)
+            built[name]()
+    splits = {name: dict.fromkeys(CLASSES, 0.0) for name in variants}
+    for _ in range(repeats):
+        for name in variants:
+            with collectives_of(name), profile(activities=[ProfilerActivity.CPU]) as prof:
+                host = 0.0
+                for _ in range(steps):
+                    began = time.perf_counter()
+                    with record_function(mark):
+                        built[name]()
+                    host += time.perf_counter() - began
+            for key, value in split_host_time(prof.events(), host, steps, mark).items():
+                splits[name][key] += value / repeats
+    print(
+        f"\nhost time per step by what spends it, under the profiler (which adds to every operator), {steps} "
+        f"steps x {repeats}; then the extra per unit over torch (us)\n"
+    )
+    print("| variant | " + " | ".join(f"{c} (ms)" for c in CLASSES) + " | " + " | ".join(CLASSES) + " |")
+    print("|---|" + "---:|" * (2 * len(CLASSES)))
+    for name in variants:
+        extra = per_unit_difference(splits[name], splits["torch"], UNITS) if "torch" in splits else {}
+        cells = [f"{splits[name][c] / 1e3:.2f}" for c in CLASSES]
+        cells += [f"{extra.get(c, float('nan')):+.0f}" for c in CLASSES]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def extras_by_round(times: Times, name: str) -> list[float]:
@@ -351,7 +392,16 @@ def main() -> None:
         action="store_true",
         help="world size 1: each variant in a process of its own (its own heap), still in turn",
     )
+    parser.add_argument(
+        "--split",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="world size 1: also profile STEPS steps of each variant and split its host time by what spends it",
+    )
     args = parser.parse_args()
+    if args.split and args.isolated:
+        parser.error("--split profiles the variants in this process: leave out --isolated")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     started = datetime.datetime.now(datetime.timezone.utc)
     print(
