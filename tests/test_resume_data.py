@@ -119,6 +119,31 @@ def test_a_mid_epoch_resume_with_workers_and_augmentation_is_exact(
         assert result["loads"] == (TOTAL - stop) * BATCH, (rank, "batches trained before the resume were loaded")
 
 
+def test_no_worker_of_a_stateful_dataloader_outlives_a_fit_that_stops_mid_epoch(tmp_path):
+    """torchdata's StatefulDataLoader keeps its iterator, workers and all, for `state_dict` when fit stops in the
+    middle of an epoch (max_steps), even without persistent_workers. Left alive, they were shut down by the
+    garbage collector at some later allocation, joining each worker for 5 s there: the test suite saw a rank stall
+    for 50 s inside a later run's checkpoint collective. Fit stops them at its end, as Lightning does."""
+    import multiprocessing
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    before = set(multiprocessing.active_children())
+    loader = StatefulDataLoader(Augmented(str(tmp_path)), batch_size=BATCH, shuffle=True, num_workers=2)
+    trainer = Trainer(
+        devices=1,
+        max_steps=3,  # of 12 batches an epoch
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(Regression(), loader)
+    assert set(multiprocessing.active_children()) - before == set()
+    assert trainer.global_step == 3
+
+
 def test_a_stateful_dataloader_stays_one_when_the_trainer_splits_it():
     from torchdata.stateful_dataloader import StatefulDataLoader
 

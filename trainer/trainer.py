@@ -27,7 +27,7 @@ from .checkpoint.dirs import checkpoint_dirs, full_file_problem
 from .data.fit_data import FitLoaders
 from .data.global_batch import DataLayout
 from .data.loader_state import LoaderPosition
-from .data.loaders import stop_persistent_workers
+from .data.loaders import stop_workers
 from .datamodule import DataModule, datamodule_in
 from .evaluation.evaluate import evaluate, predict, unless_undefined
 from .evaluation.metrics import MetricCollector
@@ -519,7 +519,7 @@ class Trainer:
                     return predict(self, loader)
                 return [evaluate(self, loader, stage)]
             finally:
-                stop_persistent_workers(loader)
+                stop_workers(loader)
 
     # ---- memory plan --------------------------------------------------------------------------------
     def plan(

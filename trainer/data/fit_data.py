@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .global_batch import DataLayout, layout_of, resumed_batches, warn_if_the_global_batch_changed
 from .loader_state import check_world_size
-from .loaders import limit_batches, stop_persistent_workers
+from .loaders import limit_batches, stop_workers
 from .stream_remainder import remainder_to_read
 
 if TYPE_CHECKING:
@@ -62,11 +62,11 @@ class FitLoaders:
             )
 
     def stop_workers(self) -> None:
-        """At the end of fit: the persistent workers of the loaders built stop (loaders.stop_persistent_workers),
+        """At the end of fit: the workers the loaders built keep stop (loaders.stop_workers),
         the training loader's position kept first for a checkpoint saved after fit."""
         self.trainer.loader_position.keep()
         for loader in (self._train, self._val):
-            stop_persistent_workers(loader)
+            stop_workers(loader)
 
     @property
     def val(self) -> Any:

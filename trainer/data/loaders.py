@@ -214,14 +214,16 @@ def limit_batches(loader: Any, limit: int | float, argument: str) -> int:
     return limit if available is None else min(limit, available)
 
 
-def stop_persistent_workers(loader: Any) -> None:
-    """Stop the worker processes a loader with `persistent_workers=True` keeps between epochs, as Lightning does when
-    a stage ends. Left to the garbage collector, the iterator that holds them is finalized at whatever allocation
-    comes next, on one rank only, and its shutdown joins the workers there: in a multi-rank run that rank can block
-    while the others wait for it in a collective. Anything else (no workers, not a DataLoader) is left alone; a
-    later iteration starts new workers. `loader` may be a list or tuple of loaders."""
+def stop_workers(loader: Any) -> None:
+    """Stop the worker processes a loader keeps after an iteration stopped, as Lightning does when a stage ends:
+    those of `persistent_workers=True`, and those of the iterator torchdata's StatefulDataLoader keeps (for its
+    `state_dict`) when fit stopped in the middle of an epoch, persistent or not. Left to the garbage collector,
+    the iterator that holds them is finalized at whatever allocation comes next, on one rank only, and its
+    shutdown joins the workers there (seconds per worker): in a multi-rank run that rank can block while the
+    others wait for it in a collective. Anything else (no workers, not a DataLoader) is left alone; a later
+    iteration starts new workers. `loader` may be a list or tuple of loaders."""
     for one in loader if isinstance(loader, (list, tuple)) else [loader]:
         iterator = getattr(one, "_iterator", None)  # (torch's and torchdata's DataLoader keep it here)
-        if getattr(one, "persistent_workers", False) and hasattr(iterator, "_shutdown_workers"):
+        if hasattr(iterator, "_shutdown_workers"):  # (a worker-less iterator has none)
             iterator._shutdown_workers()
             one._iterator = None
