@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -130,28 +131,38 @@ def tensor_parallel_check(rounds: int) -> None:
         )
 
 
-def llama_plan(world_size: int, nodes: int, schedule: str):
-    from examples.llama import Block, llama3_8b
+def torchtitan_h100_plan(model: torch.nn.Module, gpus: int, batch_size: int, schedule: str, **options: Any):
+    """`model` (the Llama example, on meta) planned as torchtitan's H100 runs train it: nodes of 8, sequence 8192,
+    bf16 parameters, fp32 reduce, each Block a unit and checkpointed, 96 GB per GPU, on the h100 profile at the
+    HBM2e bandwidth of those runs' GPUs. `options`: plan_memory's other arguments (checkpoint mode, tensor parallel)."""
+    from examples.llama import Block
 
-    with torch.device("meta"):
-        model = llama3_8b()
     hardware = with_changes(HARDWARE["h100"], name="h100 (HBM2e 2.4 TB/s)", memory_bandwidth=0.8 * 2.4e12)
     return plan_memory(
         model,
-        world_size=world_size,
-        nodes=nodes,
-        batch_size=2,
+        world_size=gpus,
+        nodes=gpus // 8,
+        batch_size=batch_size,
         seq_len=8192,
         precision="bf16-mixed",
         param_dtype=torch.bfloat16,
         reduce_dtype=torch.float32,
         wrap_policy={Block},
         activation_checkpointing={Block},
-        checkpoint_mode="selective",
         hardware=hardware,
         schedule=schedule,
         device_memory="96GB",
+        **options,
     )
+
+
+def llama_plan(gpus: int, schedule: str):
+    """Llama 3.1 8B, batch 2 per GPU, selective activation checkpointing (torchtitan's 8B settings)."""
+    from examples.llama import llama3_8b
+
+    with torch.device("meta"):
+        model = llama3_8b()
+    return torchtitan_h100_plan(model, gpus, 2, schedule, checkpoint_mode="selective")
 
 
 def paper_check() -> None:
@@ -162,7 +173,7 @@ def paper_check() -> None:
     found = {}
     for schedule in ("fully_shard", "engine"):
         for gpus in (8, 128):
-            f = llama_plan(gpus, gpus // 8, schedule).forecasts["fsdp"]
+            f = llama_plan(gpus, schedule).forecasts["fsdp"]
             found[schedule, gpus] = f.tokens_per_s_per_rank
             print(
                 f"| {schedule} | {gpus} | {f.tokens_per_s_per_rank:,.0f} | {TORCHTITAN_TPS[gpus]:,} | "
@@ -181,7 +192,7 @@ def paper_check() -> None:
     )
     print("|---:|---|---:|---:|---:|---:|---:|")
     for gpus in (8, 64, 128, 1024):
-        plan = llama_plan(gpus, gpus // 8, "engine")
+        plan = llama_plan(gpus, "engine")
         for name in ("zero2", "hsdp", "fsdp"):
             if name not in plan.forecasts:
                 continue
@@ -200,25 +211,15 @@ def llama70b_plan(gpus: int, tp: int, schedule: str = "engine"):
     torchtitan runs it), with torchtitan's 70B settings: sequence 8192, bf16 parameters, fp32 reduce, full
     activation checkpointing, and 16 sequences per 8 GPUs (its local batch of 16 at tp 8), so that every tp
     trains the same tokens per GPU."""
-    from examples.llama import Block, llama3_70b, tensor_parallel_plan
+    from examples.llama import llama3_70b, tensor_parallel_plan
 
     with torch.device("meta"):
         model = llama3_70b()
-    hardware = with_changes(HARDWARE["h100"], name="h100 (HBM2e 2.4 TB/s)", memory_bandwidth=0.8 * 2.4e12)
-    return plan_memory(
+    return torchtitan_h100_plan(
         model,
-        world_size=gpus,
-        nodes=gpus // 8,
-        batch_size=2 * tp,  # sequences per data-parallel rank
-        seq_len=8192,
-        precision="bf16-mixed",
-        param_dtype=torch.bfloat16,
-        reduce_dtype=torch.float32,
-        wrap_policy={Block},
-        activation_checkpointing={Block},
-        hardware=hardware,
-        schedule=schedule,
-        device_memory="96GB",
+        gpus,
+        2 * tp,  # sequences per data-parallel rank
+        schedule,
         tensor_parallel=tp,
         tensor_parallel_plan=lambda m: tensor_parallel_plan(m, loss_parallel=True),
     )

@@ -20,12 +20,14 @@ import datetime
 import os
 import tempfile
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from examples.llama import LLAMA_PRESETS, Llama
+from examples.llama import Block as LlamaBlock
 from examples.llama import tensor_parallel as split_llama
 from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy, get_strategy
 
@@ -96,23 +98,34 @@ def _rank(rank: int, port: int, device: str, tiny: bool, path: str) -> None:
         dist.destroy_process_group()
 
 
-def _parity(settings: Settings, name: str, rank: int, label: str) -> None:
-    """SGD with momentum: Adam divides each gradient by its own running size, which turns the last-bit
-    difference between a two-half and a one-batch mean of a near-zero gradient into ~2e-5 (seen on CPU)."""
-    config = small_config(settings)
-    local = 2 if settings.tiny else 4
-    batches = token_batches(config, STEPS, local * WORLD_SIZE)
-    want, _ = plain_run(settings, config, batches)
-    strategy = FSDPStrategy(**wrap_blocks()) if name == "fsdp" else get_strategy(name)
+def _per_rank(settings: Settings) -> int:
+    """Sequences each rank trains on per step (the batches hold WORLD_SIZE times as many)."""
+    return 2 if settings.tiny else 4
+
+
+def _train_on_halves(settings: Settings, strategy: Any, rank: int, batches: list) -> tuple[Any, Any]:
+    """The GPT set up by `strategy` on this device, SGD steps on this rank's half of every batch."""
     strategy.connect(settings.torch_device, WORLD_SIZE, rank)  # gloo alone would say CPU
-    model = strategy.setup_module(new_gpt(config))
+    model = strategy.setup_module(new_gpt(small_config(settings)))
     opt = strategy.setup_optimizer(make_optimizer(model.parameters(), "sgd"))
-    device = settings.torch_device
+    device, local = settings.torch_device, _per_rank(settings)
     for x, y in batches:
         mine = slice(rank * local, (rank + 1) * local)
         lm_loss(model(x[mine].to(device)), y[mine].to(device)).backward()
         opt.step()
         opt.zero_grad()
+    return model, opt
+
+
+def _parity(settings: Settings, name: str, rank: int, label: str) -> None:
+    """SGD with momentum: Adam divides each gradient by its own running size, which turns the last-bit
+    difference between a two-half and a one-batch mean of a near-zero gradient into ~2e-5 (seen on CPU)."""
+    config = small_config(settings)
+    batches = token_batches(config, STEPS, _per_rank(settings) * WORLD_SIZE)
+    want, _ = plain_run(settings, config, batches)
+    strategy = FSDPStrategy(**wrap_blocks()) if name == "fsdp" else get_strategy(name)
+    model, _ = _train_on_halves(settings, strategy, rank, batches)
+    device = settings.torch_device
     placement = {p.device.type for p in model.parameters()}
     got = strategy.full_state_dict()
     if rank == 0:
@@ -156,7 +169,7 @@ def _tensor_parallel_strategy(name: str) -> object:
         return DDPStrategy(tensor_parallel_size=WORLD_SIZE)
     if name in ("zero1", "zero2"):
         return ZeroStrategy(stage=int(name[-1]), tensor_parallel_size=WORLD_SIZE)
-    return FSDPStrategy(auto_wrap_policy={type(Llama(LLAMA).layers[0])}, tensor_parallel_size=WORLD_SIZE)
+    return FSDPStrategy(auto_wrap_policy={LlamaBlock}, tensor_parallel_size=WORLD_SIZE)
 
 
 def _tensor_parallel_parity(settings: Settings, name: str, rank: int, label: str) -> None:
@@ -195,18 +208,9 @@ ELASTIC = "a checkpoint of two ranks resumes on one (fsdp)"
 def _save_halfway(settings: Settings, rank: int, path: str) -> None:
     """fsdp on both ranks, each on half of every batch: STEPS steps, then a checkpoint (every rank writes its
     shards; the part's process resumes it on one rank)."""
-    config = small_config(settings)
-    local = 2 if settings.tiny else 4
-    batches = token_batches(config, STEPS, local * WORLD_SIZE)
+    batches = token_batches(small_config(settings), STEPS, _per_rank(settings) * WORLD_SIZE)
     strategy = FSDPStrategy(**wrap_blocks())
-    strategy.connect(settings.torch_device, WORLD_SIZE, rank)
-    model = strategy.setup_module(new_gpt(config))
-    optimizer = strategy.setup_optimizer(make_optimizer(model.parameters(), "sgd"))
-    for x, y in batches:
-        mine = slice(rank * local, (rank + 1) * local)
-        lm_loss(model(x[mine].to(settings.torch_device)), y[mine].to(settings.torch_device)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    model, optimizer = _train_on_halves(settings, strategy, rank, batches)
     strategy.save(path, {"model": model, "optimizer": optimizer, "step": STEPS})
     strategy.teardown()
 
@@ -215,8 +219,8 @@ def _resume_on_one_rank(settings: Settings, path: str) -> None:
     """Load the two ranks' checkpoint here (one rank) and train STEPS more steps on whole batches: the weights
     equal plain torch's after all 2 x STEPS steps (SGD with momentum: the momentum buffers come back too)."""
     config = small_config(settings)
-    local = 2 if settings.tiny else 4
-    batches = token_batches(config, STEPS, local * WORLD_SIZE) + token_batches(config, STEPS, local * WORLD_SIZE, 2)
+    size = _per_rank(settings) * WORLD_SIZE
+    batches = token_batches(config, STEPS, size) + token_batches(config, STEPS, size, seed=2)
     want, _ = plain_run(settings, config, batches)
     strategy = FSDPStrategy(**wrap_blocks())
     model = strategy.setup_module(new_gpt(config, seed=1))  # other weights: all of them come from the checkpoint
