@@ -9,7 +9,7 @@ setting the two up, skipping gradient sync, gathering parameters for the user, a
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -80,9 +80,14 @@ class Strategy:
         tensor_parallel_size: the ranks that split each layer with torch's tensor parallel, which the module
             applies in `configure_model` on `self.device_mesh["tensor_parallel"]` (1: none; "auto": the GPUs of
             one node). The strategy then shards the local pieces over the data-parallel ranks.
+        elementwise_optimizers: optimizer classes you declare element-wise (each element's update depends on that
+            element alone), so that they step this rank's flat pieces; torch's are known and any other class is
+            checked before its first step, so this is only needed for a class the check cannot build. A declared
+            class that the check finds otherwise is refused (docs/optimizers.md).
 
     Raises:
-        TypeError: if `compile` is an int or not one of the forms above, or `compile_options` is not a dict.
+        TypeError: if `compile` is an int or not one of the forms above, or `compile_options` is not a dict; if
+            `elementwise_optimizers` holds something that is not an optimizer class.
         ValueError: if `tensor_parallel_size` is not a positive int or "auto", or (when the ranks are known) does
             not divide them.
     """
@@ -94,9 +99,14 @@ class Strategy:
     Lightning's data-parallel strategies do when they set up the process group (its single-device one does not)."""
 
     def __init__(
-        self, compile: Any = None, compile_options: dict[str, Any] | None = None, tensor_parallel_size: int | str = 1
+        self,
+        compile: Any = None,
+        compile_options: dict[str, Any] | None = None,
+        tensor_parallel_size: int | str = 1,
+        elementwise_optimizers: Iterable[type] = (),
     ) -> None:
         self.engine: ShardingEngine | None = None
+        self.elementwise_optimizers = check_elementwise_optimizers(type(self).__name__, elementwise_optimizers)
         self.tensor_parallel_size = check_tensor_parallel_size(type(self).__name__, tensor_parallel_size)
         self._device_mesh: DeviceMesh | None = None
         self.tensor_parallel: TensorParallelParameters | None = None  # the model's DTensor parameters, held locally
@@ -349,9 +359,12 @@ class Strategy:
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record, **options)
         if self.tensor_parallel is not None:
             self.tensor_parallel.install()
-            split = self.tensor_parallel.sharded_names()
-            pieces = [p for name, p in module.named_parameters() if name in split]
-            self.engine.split_elsewhere(pieces, self.device_mesh[TENSOR_PARALLEL].get_group())
+            split = [(name, p) for name, p in module.named_parameters() if name in self.tensor_parallel.sharded_names()]
+            self.engine.split_elsewhere(
+                [p for _, p in split],
+                self.device_mesh[TENSOR_PARALLEL].get_group(),
+                [self.tensor_parallel.split(name) for name, _ in split],
+            )
         if self.compile is not None:
             compile_in_place(
                 modules_to_compile(module, self.compile, self._units_to_compile(module)), self.compile_options
@@ -371,7 +384,7 @@ class Strategy:
         Returns:
             The same optimizer; its `step()` and `zero_grad()` drive the engine.
         """
-        return self.engine.setup_optimizer(optimizer)
+        return self.engine.setup_optimizer(optimizer, self.elementwise_optimizers)
 
     def forward_context(self) -> AbstractContextManager:
         """The context of one forward pass of the model (the Trainer runs `training_step`, `validation_step`, ...
@@ -575,6 +588,18 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def check_elementwise_optimizers(owner: str, value: Iterable[type]) -> tuple[type, ...]:
+    """`elementwise_optimizers` as given, checked: optimizer classes."""
+    classes = (value,) if isinstance(value, type) else tuple(value)
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise TypeError(
+                f"{owner}: elementwise_optimizers takes optimizer classes (e.g. {{pytorch_optimizer.Lion}}), "
+                f"got {cls!r}"
+            )
+    return classes
 
 
 def take_back(module: nn.Module) -> None:

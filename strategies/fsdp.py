@@ -53,6 +53,8 @@ class FSDPStrategy(Strategy):
         tensor_parallel_size: the ranks that split each layer with torch's tensor parallel, which the module
             applies in `configure_model` on `self.device_mesh["tensor_parallel"]` (1: none; "auto": the GPUs of
             one node). The strategy then shards the local pieces over the data-parallel ranks.
+        elementwise_optimizers: optimizer classes declared element-wise, stepped on this rank's flat pieces (see
+            `Strategy`; torch's are known and other classes are checked, so this is rarely needed).
 
     Raises:
         TypeError: if `auto_wrap_policy` or `activation_checkpointing` is not one of the forms above; if
@@ -83,8 +85,9 @@ class FSDPStrategy(Strategy):
         compile: Any = None,
         compile_options: dict[str, Any] | None = None,
         tensor_parallel_size: int | str = 1,
+        elementwise_optimizers: Any = (),
     ) -> None:
-        super().__init__(compile, compile_options, tensor_parallel_size)
+        super().__init__(compile, compile_options, tensor_parallel_size, elementwise_optimizers)
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
         self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing, "activation_checkpointing")

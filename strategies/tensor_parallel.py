@@ -183,6 +183,24 @@ class TensorParallelParameters:
         """The parameters whose local pieces differ between the tensor-parallel ranks."""
         return {name for name, layout in self.layouts.items() if not layout.replicated}
 
+    def split(self, name: str) -> SplitParameter:
+        """How the engine puts parameter `name`'s pieces together (for an optimizer that steps whole tensors)."""
+        return SplitParameter(self, self.layouts[name])
+
+
+class SplitParameter:
+    """One split parameter as the engine's whole-tensor steps see it (sharding/whole_tensors.py's SplitTensor):
+    the whole tensor from the tensor-parallel ranks' pieces, and this rank's piece of a whole one."""
+
+    def __init__(self, parameters: TensorParallelParameters, layout: TensorParallelLayout) -> None:
+        self.parameters, self.layout, self.shape = parameters, layout, layout.shape
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        return self.parameters.dtensor(local.contiguous(), self.layout).full_tensor()
+
+    def piece(self, whole: torch.Tensor) -> torch.Tensor:
+        return whole[tuple(slice(o, o + n) for o, n in zip(self.layout.offsets, self.layout.local_shape))]
+
 
 def _offsets(shape: torch.Size, local_shape: torch.Size, placements: Any, mesh: DeviceMesh) -> tuple[int, ...]:
     """The offset of this rank's piece in each dimension: Shard(d) splits dimension d as torch.chunk does."""
@@ -246,7 +264,8 @@ class TensorParallelState:
         for key, value in values.items():
             layout = self.layouts.get(key if name is None else name)
             split = layout is not None and not layout.replicated
-            if isinstance(value, FlatPieces) and split:
+            # (the state of an optimizer that steps whole tensors is of the unsplit tensor's shape already)
+            if isinstance(value, FlatPieces) and split and tuple(value.shape) != tuple(layout.shape):
                 out[key] = to_full_coordinates(value, layout)
             elif self.first or not writing:  # the same on every tensor-parallel rank: written once
                 out[key] = value
@@ -255,8 +274,8 @@ class TensorParallelState:
     def _local(self, saved: dict[str, Any]) -> dict[str, Any]:
         """What the checkpoint holds, with each split parameter's element-wise optimizer state as meta tensors of
         the local piece's shape (the engine installs state of its pieces' shapes)."""
-        if not isinstance(saved.get("state"), dict):
-            return saved
+        if not isinstance(saved.get("state"), dict) or getattr(self.inner, "steps_whole_tensors", False):
+            return saved  # (an optimizer that steps whole tensors keeps state of the unsplit tensors' shapes)
         state = {}
         for name, values in saved["state"].items():
             layout = self.layouts.get(name)

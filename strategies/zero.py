@@ -30,6 +30,8 @@ class ZeroStrategy(Strategy):
         tensor_parallel_size: the ranks that split each layer with torch's tensor parallel, which the module
             applies in `configure_model` on `self.device_mesh["tensor_parallel"]` (1: none; "auto": the GPUs of
             one node). The strategy then shards the local pieces over the data-parallel ranks.
+        elementwise_optimizers: optimizer classes declared element-wise, stepped on this rank's flat pieces (see
+            `Strategy`; torch's are known and other classes are checked, so this is rarely needed).
 
     Raises:
         ValueError: if `stage` is not 1 or 2, or `hybrid_shard` is not one of the forms above.
@@ -45,10 +47,11 @@ class ZeroStrategy(Strategy):
         compile: Any = None,
         compile_options: dict[str, Any] | None = None,
         tensor_parallel_size: int | str = 1,
+        elementwise_optimizers: Any = (),
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroStrategy: stage={stage!r}; choose 1 or 2 (use FSDPStrategy for stage 3)")
-        super().__init__(compile, compile_options, tensor_parallel_size)
+        super().__init__(compile, compile_options, tensor_parallel_size, elementwise_optimizers)
         self.stage = stage
         self.spec = ZERO1 if stage == 1 else ZERO2
         self.name = f"zero{stage}"

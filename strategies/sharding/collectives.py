@@ -315,6 +315,29 @@ def all_gather(
     return pending
 
 
+def all_to_all(
+    sends: list[torch.Tensor], receive_sizes: list[int], group: Any, stats: CommStats, unit: str = ""
+) -> list[torch.Tensor]:
+    """Send `sends[r]` (flat) to group rank r and return what each rank sent this one (`receive_sizes[r]`
+    elements from rank r), of uneven sizes. Blocking."""
+    if _alone(group):
+        return [sends[0]]
+    rank = dist.get_rank(group)
+    call = start("all_to_all", unit, sum(receive_sizes), group)
+    stats.add("all_to_all", sum(t.numel() for r, t in enumerate(sends) if r != rank))
+    flat = torch.cat(sends)
+    received = flat.new_empty(sum(receive_sizes))
+    send_sizes = [t.numel() for t in sends]
+    if _on_gloo(group) and flat.device.type != "cpu":  # gloo carries host memory
+        host = received.cpu()
+        work = dist.all_to_all_single(host, flat.cpu(), receive_sizes, send_sizes, group=group, async_op=True)
+        Pending([work], lambda: received.copy_(host), call).wait()
+    else:
+        work = dist.all_to_all_single(received, flat, receive_sizes, send_sizes, group=group, async_op=True)
+        Pending([work], call=call).wait()
+    return list(torch.split(received, receive_sizes))
+
+
 def _gloo_all_gather(full: torch.Tensor, shard: torch.Tensor, group: Any, call: Any) -> Pending:
     """Each rank's shard lands straight in its place in `full`."""
     n = shard.numel()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -40,7 +40,9 @@ from .meta_init import InitRecord, has_meta_buffers, materialize, replace_meta_p
 from .optimizer_record import mark_state_dicts
 from .parameter import mark_unsharded
 from .spec import ZERO2, ShardingSpec, UnitOptions
+from .step_kind import StepKind, step_kind
 from .unit import ShardUnit, assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
+from .whole_tensors import SplitTensor, WholeTensorSteps
 
 WrapPolicy = Callable[[nn.Module, str], bool]
 REDUCTIONS_IN_FLIGHT = 1  # sharded-gradient reductions allowed to overlap backward before the oldest is awaited
@@ -74,6 +76,8 @@ class ShardingEngine:
         self._meta_ids = meta_ids
         self.groups = make_groups(group, shard_group_size, every_data_parallel_group)
         self.split_group: Any = None  # under tensor parallel: the ranks that hold the other pieces (split_elsewhere)
+        self._splits: dict[int, SplitTensor] = {}  # by id: the parameters that are such pieces, put together how
+        self.whole_tensor_steps: dict[int, WholeTensorSteps] = {}  # by optimizer id: those stepped whole
         self.rank, self.world_size = self.groups.rank, self.groups.size  # within it
         if _nothing_to_shard(spec, self.groups.data_parallel_size, self.unit_options, forward_context):
             # One rank's shard of a unit is the whole unit: gathering and freeing it would only cost copies, hooks
@@ -140,11 +144,13 @@ class ShardingEngine:
                 units.append(self._new_unit(name, params, module))
         return units
 
-    def split_elsewhere(self, params: list[nn.Parameter], group: Any) -> None:
+    def split_elsewhere(self, params: list[nn.Parameter], group: Any, splits: list[SplitTensor]) -> None:
         """Mark `params` as pieces of larger tensors whose other pieces are on the ranks of `group` (tensor
-        parallel): the norms of their gradients that torch's functions take (`clip_grad_norm_`) combine over those
-        ranks too, so that every rank clips by the whole model's norm."""
+        parallel), `splits` saying how each is put together: the norms of their gradients that torch's functions
+        take (`clip_grad_norm_`) combine over those ranks too, so that every rank clips by the whole model's norm,
+        and an optimizer that steps whole tensors steps the whole ones (whole_tensors.py)."""
         wanted = {id(p) for p in params}
+        self._splits = {id(p): split for p, split in zip(params, splits)}
         self.split_group, self._split_ranks = group, dist.get_world_size(group)
         for unit in self.units:
             unit.grads.split = {i: group for i, p in enumerate(unit.params) if id(p) in wanted}
@@ -347,10 +353,14 @@ class ShardingEngine:
             self.sync_gradients = previous
 
     # ---- optimizer ----------------------------------------------------------------------------------
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def setup_optimizer(
+        self, optimizer: torch.optim.Optimizer, elementwise_optimizers: Iterable[type] = ()
+    ) -> torch.optim.Optimizer:
         """Keep the user's optimizer and parameter groups; with sharded optimizer state, swap each parameter
-        for this rank's piece of it so the optimizer only steps (and keeps state for) the local shard. Its
-        step() then updates every copy of the parameters, and its zero_grad() clears the engine's gradients."""
+        for this rank's piece of it so the optimizer only steps (and keeps state for) the local shard, or, when
+        its step is not element-wise (step_kind.py), for the whole parameters this rank owns (whole_tensors.py).
+        Its step() then updates every copy of the parameters, and its zero_grad() clears the engine's gradients.
+        `elementwise_optimizers`: classes the user declares element-wise (checked all the same)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for p in params:
             if id(p) not in self._unit_of_param:
@@ -360,9 +370,13 @@ class ShardingEngine:
                 )
         if optimizer.state:
             raise ValueError("configure_optimizers: the optimizer already has state; return a fresh optimizer")
+        whole = self._whole_tensor_steps(optimizer, elementwise_optimizers)
         self.optimizers.append(optimizer)
         self._optimizer_groups[id(optimizer)] = [list(group["params"]) for group in optimizer.param_groups]
-        if self.spec.shard_optimizer_state:
+        if whole is not None:
+            self.whole_tensor_steps[id(optimizer)] = whole
+            whole.replace_parameters(optimizer)
+        elif self.spec.shard_optimizer_state:
             for group in optimizer.param_groups:
                 group["params"] = [shard for p in group["params"] if (shard := self.shard_of(p)) is not None]
         ids = {id(p) for p in params}
@@ -372,8 +386,12 @@ class ShardingEngine:
         def before_step(*_: Any) -> None:
             for unit in units:
                 unit.grads.refresh()
+            if whole is not None:
+                whole.before_step()
 
         def after_step(*_: Any) -> None:
+            if whole is not None:
+                whole.after_step()
             if (live := engine()) is not None:
                 live.after_parameters_changed(units)
 
@@ -384,6 +402,29 @@ class ShardingEngine:
         if self.spec.shard_optimizer_state or split is not None:  # its state_dict() is this rank's: say so
             self._hooks += mark_state_dicts(self, optimizer, self.spec.shard_optimizer_state, split)
         return optimizer
+
+    def _whole_tensor_steps(
+        self, optimizer: torch.optim.Optimizer, elementwise_optimizers: Iterable[type]
+    ) -> WholeTensorSteps | None:
+        """How `optimizer` steps: on pieces (None), or on whole tensors; refused when it needs every parameter
+        at once and this rank holds only some."""
+        pieces = self.spec.shard_optimizer_state or self._splits
+        if not pieces:
+            return None  # it steps the replicated parameters themselves
+        kind = step_kind(optimizer, elementwise_optimizers)
+        if kind is StepKind.ELEMENTWISE:
+            return None
+        if kind is StepKind.WHOLE_MODEL:
+            raise ValueError(
+                f"{type(optimizer).__name__} steps every parameter at once (its step reads them all together), "
+                "but with the optimizer state sharded (zero1, zero2, fsdp and hsdp shard it) or tensor parallel "
+                f"each rank holds only part of them. {type(optimizer).__name__} runs under strategy='ddp' or on "
+                "one device, without tensor parallel; or choose an optimizer that steps each tensor on its own "
+                "(docs/optimizers.md)."
+            )
+        return WholeTensorSteps(
+            optimizer, self._unit_of_param, self.groups, self.spec.shard_optimizer_state, self._splits, self.stats
+        )
 
     @property
     def optimizer_state_bytes(self) -> int:

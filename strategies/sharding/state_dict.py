@@ -21,6 +21,7 @@ from torch import nn
 from .engine import ShardingEngine
 from .layout import FlatPieces
 from .unit import ShardUnit
+from .whole_tensors import WholeTensorSteps
 
 
 def parameter_aliases(module: nn.Module) -> dict[str, str]:
@@ -120,7 +121,10 @@ def optimizer_pieces(
     from the rank holding a parameter's first element, its other state (such as `step`)."""
     sharded = engine.spec.shard_optimizer_state
     state: dict[str, dict[str, Any]] = {}
-    for unit in engine.units if engine.groups.replica == 0 else []:  # hybrid: the first copy writes
+    whole = engine.whole_tensor_steps.get(id(optimizer))
+    if whole is not None:
+        state = _whole_tensor_state(engine, optimizer, whole) if engine.groups.replica == 0 else {}
+    for unit in engine.units if engine.groups.replica == 0 and whole is None else []:  # hybrid: the first copy
         for piece in unit.pieces_by_rank[unit.rank]:
             index = piece.param_index
             target = unit.shard_params.get(index) if sharded else unit.params[index]
@@ -140,6 +144,22 @@ def optimizer_pieces(
         for group, names in zip(optimizer.param_groups, group_names)
     ]
     return {"state": state, "param_groups": groups}
+
+
+def _whole_tensor_state(engine: ShardingEngine, optimizer: torch.optim.Optimizer, whole: WholeTensorSteps) -> dict:
+    """The state of the parameters this rank steps whole: tensors of the parameter's shape as one piece covering
+    all of it, the rest as it is. Without sharded optimizer state every rank steps everything: the first writes."""
+    state: dict[str, dict[str, Any]] = {}
+    for m in whole.owned() if engine.spec.shard_optimizer_state or engine.rank == 0 else []:
+        entries = {}
+        for key, value in optimizer.state.get(m.whole, {}).items():
+            if _is_elementwise(key, value, m.shape):
+                entries[key] = FlatPieces(m.shape, value.dtype, [(0, value.detach().reshape(-1))])
+            else:
+                entries[key] = value.detach() if isinstance(value, torch.Tensor) else value
+        if entries:
+            state[m.unit.param_names[m.index]] = entries
+    return state
 
 
 # ---- where this rank loads ---------------------------------------------------------------------------------
@@ -168,16 +188,21 @@ def optimizer_targets(
     tensor of the saved shape and dtype, or a value) and return the tensors to fill: FlatPieces of the
     element-wise state (this rank's pieces, or whole under ddp) and whole tensors of the rest."""
     sharded = engine.spec.shard_optimizer_state
+    whole = engine.whole_tensor_steps.get(id(optimizer))
     targets: dict[str, dict[str, Any]] = {}
     for unit in engine.units:
         for index, name in enumerate(unit.param_names):
-            target = unit.shard_params.get(index) if sharded else unit.params[index]
+            if whole is not None:
+                target, shape = whole.stepped_tensor(unit, index), whole.shape_of(unit, index)
+            else:
+                target = unit.shard_params.get(index) if sharded else unit.params[index]
+                shape = unit.layout.shapes[index]
             if name not in saved or target is None:
                 continue
-            start = next(p.start for p in unit.pieces if p.param_index == index) if sharded else 0
+            start = next(p.start for p in unit.pieces if p.param_index == index) if sharded and not whole else 0
             state, fill = {}, {}
             for key, value in saved[name].items():
-                if _is_elementwise(key, value, unit.layout.shapes[index]):
+                if _is_elementwise(key, value, shape):
                     state[key] = torch.empty(target.shape, dtype=value.dtype, device=target.device)
                     fill[key] = FlatPieces(value.shape, value.dtype, [(start, state[key].view(-1))])
                 elif isinstance(value, torch.Tensor):
@@ -272,6 +297,12 @@ class OptimizerShards:
     def __init__(self, engine: ShardingEngine, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> None:
         self.engine, self.optimizer, self.group_names = engine, optimizer, group_names
         self._saved_groups: list[dict[str, Any]] = []
+
+    @property
+    def steps_whole_tensors(self) -> bool:
+        """Whether the optimizer steps whole tensors (whole_tensors.py): its state has the whole tensors' shapes,
+        under tensor parallel too."""
+        return id(self.optimizer) in self.engine.whole_tensor_steps
 
     def state_dict(self) -> dict[str, Any]:
         state = optimizer_pieces(self.engine, self.optimizer, self.group_names)

@@ -1,0 +1,230 @@
+"""Any optimizer gives one process's numbers (docs/optimizers.md): element-wise ones step this rank's flat pieces,
+those whose step reads a whole tensor (torch's Adafactor and Muon, LAMB, SOAP) step whole tensors of their own
+shape that each rank owns, and those that read every tensor at once (LBFGS) run where every rank holds
+everything, or are refused before the first step.
+
+Each run is compared with one process of plain Trainer training on the global batch (tests/test_parity.py's
+measure), with gradient accumulation and clipping on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pytorch_optimizer import SOAP, Lamb, Lion
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from strategies import FSDPStrategy, ZeroStrategy
+from strategies.sharding.step_kind import KNOWN, StepKind, probe, step_kind
+from tests.test_parity import max_relative_difference
+from trainer import Trainer, TrainModule
+
+IN, HIDDEN, OUT = 16, 32, 4  # the first layer: a (32, 16) matrix and a (32,) bias, as users' MLPs have
+PER_RANK_BATCH, STEPS, TOLERANCE = 2, 3, 1e-5
+
+
+class OwnLamb(torch.optim.Optimizer):
+    """LAMB as a user writes it in 30 lines: Adam's update scaled per tensor by ||w|| / ||update||."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"], state["m"], state["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["v"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                m_hat = state["m"] / (1 - beta1 ** state["step"])
+                v_hat = state["v"] / (1 - beta2 ** state["step"])
+                update = m_hat / (v_hat.sqrt() + group["eps"]) + group["weight_decay"] * p
+                w_norm, u_norm = p.norm(), update.norm()
+                trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+                p.add_(update, alpha=-group["lr"] * float(trust))
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    params = list(params)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=0.05)
+    if name == "muon":
+        return torch.optim.Muon(params, lr=0.05)
+    if name == "own-lamb":
+        return OwnLamb(params)
+    if name == "lamb":
+        return Lamb(params, lr=0.01)
+    if name == "soap":
+        return SOAP(params, lr=0.01, precondition_frequency=2)
+    if name == "lion":
+        return Lion(params, lr=0.01)
+    if name == "lbfgs":
+        return torch.optim.LBFGS(params, lr=0.5, max_iter=4)
+    raise ValueError(name)
+
+
+class MLP(TrainModule):
+    """Two linear layers; without biases for Muon alone (it steps matrices only)."""
+
+    def __init__(self, optimizer: str = "adafactor", bias: bool = True) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.l1 = nn.Linear(IN, HIDDEN, bias=bias)
+        self.l2 = nn.Linear(HIDDEN, OUT, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return make_optimizer(self.optimizer_name, self.parameters())
+
+
+def new_mlp(optimizer: str, seed: int = 0, **kwargs) -> MLP:
+    torch.manual_seed(seed)
+    return MLP(optimizer, bias=optimizer != "muon", **kwargs)
+
+
+def dataset(samples: int = 48, dtype: torch.dtype = torch.float32) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(samples, IN, generator=g, dtype=torch.float64).to(dtype)
+    return TensorDataset(x, torch.randint(0, OUT, (samples,), generator=g))
+
+
+def per_layer(name: str):
+    """A strategy by name; fsdp and hsdp make each linear layer a unit."""
+    if name == "fsdp":
+        return FSDPStrategy(auto_wrap_policy={nn.Linear})
+    if name == "hsdp":
+        return FSDPStrategy(auto_wrap_policy={nn.Linear}, hybrid_shard=2)
+    if name == "zero2-hybrid":
+        return ZeroStrategy(stage=2, hybrid_shard=2)
+    return name
+
+
+def run(
+    module,
+    strategy,
+    devices: int,
+    batch_size: int = PER_RANK_BATCH,
+    accumulate: int = 2,
+    clip: float | None = 0.5,
+    **kwargs,
+) -> Trainer:
+    """`STEPS` optimizer steps of `accumulate` batches each, clipped at norm `clip`."""
+    trainer = Trainer(
+        strategy=strategy,
+        devices=devices,
+        max_steps=STEPS,
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    trainer.fit(module, DataLoader(dataset(dtype=next(module.parameters()).dtype), batch_size=batch_size))
+    return trainer
+
+
+def single(optimizer: str, world: int, **kwargs) -> dict[str, torch.Tensor]:
+    """One process on the global batch of `world` ranks."""
+    return run(new_mlp(optimizer), "single", 1, PER_RANK_BATCH * world, **kwargs).strategy.full_state_dict()
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+# ------------------------------------------------------------------------------------ bodies run on every rank
+
+
+def body_every_strategy(optimizers: list[str], strategies: list[str], trainer_kwargs: dict | None = None):
+    out = {}
+    for optimizer in optimizers:
+        for name in strategies:
+            trainer = run(new_mlp(optimizer), per_layer(name), dist.get_world_size(), **(trainer_kwargs or {}))
+            assert trainer.global_step == STEPS
+            out[(optimizer, name)] = trainer.strategy.full_state_dict()
+    return out if is_rank_zero() else None
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+def test_the_check_finds_what_the_table_says_of_torchs_optimizers():
+    """The table (KNOWN) is what the check finds from each optimizer's own step, for every class in it; and it
+    tells pytorch-optimizer's Lion (element-wise) from its Lamb and SOAP and a hand-written LAMB."""
+    weight, bias = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))
+    for cls, kind in KNOWN.items():
+        params = [weight] if cls is torch.optim.Muon else [weight, bias]
+        assert probe(cls(params, lr=0.01)) is kind, cls.__name__
+    assert probe(Lion([weight, bias])) is StepKind.ELEMENTWISE
+    for optimizer in (Lamb([weight, bias]), SOAP([weight, bias]), OwnLamb([weight, bias])):
+        assert probe(optimizer) is StepKind.PER_TENSOR, type(optimizer).__name__
+
+
+def test_a_subclass_of_a_known_optimizer_is_checked_not_assumed():
+    class ScaledAdamW(torch.optim.AdamW):  # AdamW's step, then each tensor rescaled by its own norm
+        @torch.no_grad()
+        def step(self, closure=None):
+            super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.div_(p.norm().clamp_min(1.0))
+
+    assert step_kind(ScaledAdamW([nn.Parameter(torch.randn(4, 3))])) is StepKind.PER_TENSOR
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_whole_tensor_optimizers_match_one_process_under_every_strategy(rank_pool, world):
+    """Adafactor (factored second moments, scaled by each tensor's RMS), Muon (orthogonalised matrices), LAMB
+    (trust ratio per tensor: a hand-written one and pytorch-optimizer's) step whole tensors that a rank owns;
+    Lion, element-wise, keeps stepping pieces. At 3 ranks the shards are uneven."""
+    optimizers = ["adafactor", "muon", "own-lamb", "lamb", "lion"]
+    strategies = ["ddp", "zero1", "zero2", "fsdp"]
+    results = rank_pool(world).run(body_every_strategy, optimizers, strategies)[0]
+    initial = new_mlp("adafactor").state_dict()
+    for optimizer in optimizers:
+        want = single(optimizer, world)
+        assert max_relative_difference(want, {k: v for k, v in initial.items() if k in want}) > 1e-2  # it trained
+        for name in strategies:
+            difference = max_relative_difference(results[(optimizer, name)], want)
+            assert difference <= TOLERANCE, (optimizer, name, world, difference)
+
+
+def body_soap() -> dict | None:
+    out = {}
+    for name in ("ddp", "zero1", "zero2", "fsdp"):
+        trainer = run(new_mlp("soap").double(), per_layer(name), 2, accumulate=1, clip=None)
+        out[name] = trainer.strategy.full_state_dict()
+    return out if is_rank_zero() else None
+
+
+def test_soap_steps_whole_tensors_as_ddp_does(rank_pool):
+    """SOAP's first eigenbasis is that of one gradient's outer product, which is degenerate: any basis of its
+    null space will do, so a difference of 1e-16 in the averaged gradient (the order one process and two ranks
+    sum in) turns into 1e-1 in the weights, even in float64 under ddp. Its reference is therefore ddp's step of
+    whole replicated tensors on two ranks, whose gradients every strategy averages bit for bit alike (a + b; no
+    accumulation, and no clipping, whose norm sharded gradients sum in another order): sharded state must give
+    exactly that, where stepping pieces gave 2e-1."""
+    results = rank_pool(2).run(body_soap)[0]
+    want = results.pop("ddp")
+    for name, got in results.items():
+        assert max_relative_difference(got, want) <= 1e-12, name
