@@ -15,9 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from pytorch_optimizer import SOAP, Lamb, Lion
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
-from strategies import FSDPStrategy, ZeroStrategy
+from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
 from strategies.sharding.step_kind import KNOWN, StepKind, probe, step_kind
 from tests.test_parity import max_relative_difference
 from trainer import Trainer, TrainModule
@@ -123,13 +124,15 @@ def run(
     batch_size: int = PER_RANK_BATCH,
     accumulate: int = 2,
     clip: float | None = 0.5,
+    steps: int = STEPS,
+    ckpt_path: str | None = None,
     **kwargs,
 ) -> Trainer:
-    """`STEPS` optimizer steps of `accumulate` batches each, clipped at norm `clip`."""
+    """`steps` optimizer steps of `accumulate` batches each, clipped at norm `clip` (resumed from `ckpt_path`)."""
     trainer = Trainer(
         strategy=strategy,
         devices=devices,
-        max_steps=STEPS,
+        max_steps=steps,
         max_epochs=1,
         accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
@@ -139,13 +142,15 @@ def run(
         enable_model_summary=False,
         **kwargs,
     )
-    trainer.fit(module, DataLoader(dataset(dtype=next(module.parameters()).dtype), batch_size=batch_size))
+    dtype = next(module.parameters(), torch.empty(0)).dtype  # (a module built in configure_model has none yet)
+    trainer.fit(module, DataLoader(dataset(dtype=dtype), batch_size=batch_size), ckpt_path=ckpt_path)
     return trainer
 
 
-def single(optimizer: str, world: int, **kwargs) -> dict[str, torch.Tensor]:
+def single(optimizer: str, world: int, module: MLP | None = None, **kwargs) -> dict[str, torch.Tensor]:
     """One process on the global batch of `world` ranks."""
-    return run(new_mlp(optimizer), "single", 1, PER_RANK_BATCH * world, **kwargs).strategy.full_state_dict()
+    module = new_mlp(optimizer) if module is None else module
+    return run(module, "single", 1, PER_RANK_BATCH * world, **kwargs).strategy.full_state_dict()
 
 
 def is_rank_zero() -> bool:
@@ -228,3 +233,140 @@ def test_soap_steps_whole_tensors_as_ddp_does(rank_pool):
     want = results.pop("ddp")
     for name, got in results.items():
         assert max_relative_difference(got, want) <= 1e-12, name
+
+
+class SplitMLP(MLP):
+    """The MLP built in configure_model, its layers split by torch's tensor parallel when the strategy asks: the
+    first column-wise (each rank holds rows of its matrix), the second row-wise (columns)."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer, bias=optimizer != "muon")
+        self.l1 = self.l2 = None
+
+    def configure_model(self) -> None:
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(IN, HIDDEN, bias=self.optimizer_name != "muon")
+        self.l2 = nn.Linear(HIDDEN, OUT, bias=self.optimizer_name != "muon")
+        if self.trainer.strategy.tensor_parallel_size > 1:
+            plan = {"l1": ColwiseParallel(), "l2": RowwiseParallel()}
+            parallelize_module(self, self.device_mesh["tensor_parallel"], plan)
+
+
+def body_four_ranks(optimizers: list[str]) -> dict | None:
+    """hsdp and zero2 in two groups of two ranks; dp 2 x tp 2 under every strategy."""
+    out = {}
+    for optimizer in optimizers:
+        for name in ("hsdp", "zero2-hybrid"):
+            trainer = run(new_mlp(optimizer), per_layer(name), 4)
+            assert trainer.strategy.engine.groups.hybrid
+            out[(optimizer, name)] = trainer.strategy.full_state_dict()
+        for name, cls in (("ddp", DDPStrategy), ("zero1", ZeroStrategy), ("zero2", ZeroStrategy), ("fsdp", None)):
+            if cls is None:
+                strategy = FSDPStrategy(auto_wrap_policy={nn.Linear}, tensor_parallel_size=2)
+            elif cls is ZeroStrategy:
+                strategy = ZeroStrategy(stage=int(name[-1]), tensor_parallel_size=2)
+            else:
+                strategy = DDPStrategy(tensor_parallel_size=2)
+            trainer = run(SplitMLP(optimizer), strategy, 4)
+            out[(optimizer, f"{name} tp 2")] = trainer.strategy.full_state_dict()
+    return out if is_rank_zero() else None
+
+
+def test_whole_tensor_optimizers_under_hybrid_sharding_and_tensor_parallel(rank_pool):
+    """Four ranks: hybrid sharding (two groups of two, each group's owners stepping the same whole tensors), and
+    dp 2 x tp 2, where the whole tensor is the unsplit one: Muon orthogonalises the whole (32, 16) matrix, not
+    each rank's (16, 16) rows, and Adafactor factors the whole matrix's second moments."""
+    results = rank_pool(4).run(body_four_ranks, ["adafactor", "muon"])[0]
+    for optimizer in ("adafactor", "muon"):
+        hybrid, split = single(optimizer, 4), single(optimizer, 2)
+        for (name_optimizer, name), got in results.items():
+            if name_optimizer == optimizer:
+                want = split if "tp" in name else hybrid
+                assert max_relative_difference(got, want) <= TOLERANCE, (optimizer, name)
+
+
+class MuonAndAdamW(MLP):
+    """Muon's usual split: Muon for the matrices, AdamW for the rest; two optimizers, so stepped by hand
+    (Lightning's manual optimization)."""
+
+    def __init__(self) -> None:
+        super().__init__("muon+adamw")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.parameters() if p.ndim == 2]
+        others = [p for p in self.parameters() if p.ndim != 2]
+        return [torch.optim.Muon(matrices, lr=0.05), torch.optim.AdamW(others, lr=0.01)]
+
+
+def new_muon_and_adamw() -> MuonAndAdamW:
+    torch.manual_seed(0)
+    return MuonAndAdamW()
+
+
+def body_muon_and_adamw_and_bf16() -> dict | None:
+    out = {}
+    for name in ("ddp", "zero1", "zero2", "fsdp"):
+        # as in Lightning, global_step counts every optimizer's steps: two per batch
+        trainer = run(new_muon_and_adamw(), per_layer(name), 2, accumulate=1, clip=None, steps=2 * STEPS)
+        out[("muon+adamw", name)] = trainer.strategy.full_state_dict()
+        trainer = run(new_mlp("adafactor"), per_layer(name), 2, precision="bf16-mixed")
+        out[("bf16-mixed", name)] = trainer.strategy.full_state_dict()
+    return out if is_rank_zero() else None
+
+
+def test_muon_with_adamw_by_hand_and_adafactor_in_bf16_mixed(rank_pool):
+    """Two optimizers sharing the model's units (one steps whole matrices, the other pieces), stepped by hand;
+    and Adafactor under bf16-mixed, beside one process's bf16-mixed run (the same autocast; the sums of the
+    gradients' reduction differ, so within bf16's rounding)."""
+    results = rank_pool(2).run(body_muon_and_adamw_and_bf16)[0]
+    want = single("muon+adamw", 2, new_muon_and_adamw(), accumulate=1, clip=None, steps=2 * STEPS)
+    bf16 = single("adafactor", 2, precision="bf16-mixed")
+    fp32 = single("adafactor", 2)
+    assert max_relative_difference(bf16, fp32) > 1e-4  # bf16 really was used
+    for name in ("ddp", "zero1", "zero2", "fsdp"):
+        assert max_relative_difference(results[("muon+adamw", name)], want) <= TOLERANCE, name
+        assert max_relative_difference(results[("bf16-mixed", name)], bf16) <= 1e-3, name
+
+
+def body_checkpoint(path: str, saving: str, loading: str) -> dict | None:
+    """Train 2 of 3 steps under `saving` and save; or resume under `loading` for the third step."""
+    world = dist.get_world_size()
+    if saving:
+        run(new_mlp("adafactor"), per_layer(saving), world, steps=2).save_checkpoint(path)
+        return None
+    trainer = run(new_mlp("adafactor"), per_layer(loading), world, ckpt_path=path)
+    assert trainer.global_step == STEPS
+    state = trainer.strategy.full_state_dict()  # (collective)
+    return state if is_rank_zero() else None
+
+
+def test_a_checkpoint_of_whole_tensor_state_resumes_under_another_strategy_and_world_size(rank_pool, tmp_path):
+    """Adafactor's factored state is saved in its own shapes ((32, 1) rows, (1, 16) columns, not pieces) by the
+    rank that steps each matrix, and resumes exactly: fsdp on 2 ranks -> one process, -> zero2 on 2 ranks; one
+    process -> fsdp on 2 ranks (the global batch stays 4: 2 ranks of 2, 1 of 4)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = str(tmp_path / "fsdp2")
+    rank_pool(2).run(body_checkpoint, path, "fsdp", "")
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert list(metadata["optim.state.l1.weight.row_var"].size) == [HIDDEN, 1]
+    assert list(metadata["optim.state.l1.weight.col_var"].size) == [1, IN]
+    want = single("adafactor", 2)
+    got = run(new_mlp("adafactor"), "ddp", 1, PER_RANK_BATCH * 2, ckpt_path=path).strategy.full_state_dict()
+    assert max_relative_difference(got, want) <= TOLERANCE, "fsdp 2 -> one process"
+    got = rank_pool(2).run(body_checkpoint, path, "", "zero2")[0]
+    assert max_relative_difference(got, want) <= TOLERANCE, "fsdp 2 -> zero2 2"
+    one = str(tmp_path / "one")
+    run(new_mlp("adafactor"), "single", 1, PER_RANK_BATCH * 2, steps=2).save_checkpoint(one)
+    got = rank_pool(2).run(body_checkpoint, one, "", "fsdp")[0]
+    assert max_relative_difference(got, want) <= TOLERANCE, "one process -> fsdp 2"

@@ -132,8 +132,8 @@ class WholeTensorSteps:
             laid_out = {id(m): (m.param.detach(), _plain(m.param.grad)) for m in stepped}
         for m in stepped:
             value, grad = laid_out[id(m)]
-            if m.split is not None:
-                value, grad = m.split.gather(value), m.split.gather(grad)
+            if m.split is not None:  # (the local piece's shape, which flat pieces were laid out in)
+                value, grad = (m.split.gather(t.reshape(m.param.shape)) for t in (value, grad))
             m.whole.data = value.reshape(m.shape)
             m.whole.grad = grad.reshape(m.shape)
 
