@@ -370,3 +370,68 @@ def test_a_checkpoint_of_whole_tensor_state_resumes_under_another_strategy_and_w
     run(new_mlp("adafactor"), "single", 1, PER_RANK_BATCH * 2, steps=2).save_checkpoint(one)
     got = rank_pool(2).run(body_checkpoint, one, "", "fsdp")[0]
     assert max_relative_difference(got, want) <= TOLERANCE, "one process -> fsdp 2"
+
+
+def lbfgs_plain_torch(world: int) -> dict[str, torch.Tensor]:
+    """LBFGS in a plain torch loop on the global batch: the closure zeroes, evaluates and backpropagates."""
+    module = new_mlp("lbfgs")
+    optimizer = make_optimizer("lbfgs", module.parameters())
+    for step, (x, y) in enumerate(DataLoader(dataset(), batch_size=PER_RANK_BATCH * world)):
+        if step == STEPS:
+            break
+
+        def closure(x=x, y=y):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(module(x), y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def body_lbfgs() -> dict:
+    """ddp runs LBFGS (with a closure, as Lightning); the strategies that shard optimizer state refuse it."""
+    trainer = run(new_mlp("lbfgs"), "ddp", 2, accumulate=1, clip=None)
+    out = {"ddp": trainer.strategy.full_state_dict(), "refused": {}}
+    for name in ("zero1", "zero2", "fsdp"):
+        with pytest.raises(ValueError) as refused:
+            run(new_mlp("lbfgs"), per_layer(name), 2, accumulate=1, clip=None)
+        out["refused"][name] = str(refused.value)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2: LBFGS"):
+        run(new_mlp("lbfgs"), "ddp", 2, accumulate=2, clip=None)
+    return out
+
+
+def test_lbfgs_gets_a_closure_and_runs_where_every_rank_holds_everything(rank_pool):
+    """LBFGS's step evaluates the loss itself (`optimizer.step(closure)`): the Trainer passes the closure, as
+    Lightning does, and its loss is the global batch's, so ddp and one process step as plain torch does. Under
+    zero1, zero2 and fsdp each rank holds part of the one vector LBFGS steps: refused before the first step."""
+    want = lbfgs_plain_torch(2)
+    one = run(new_mlp("lbfgs"), "single", 1, PER_RANK_BATCH * 2, accumulate=1, clip=None).strategy.full_state_dict()
+    assert max_relative_difference(one, want) <= TOLERANCE
+    results = rank_pool(2).run(body_lbfgs)
+    assert max_relative_difference(results[0]["ddp"], want) <= TOLERANCE
+    for name, message in results[0]["refused"].items():
+        assert "LBFGS steps every parameter at once" in message and "strategy='ddp'" in message, name
+
+
+def test_bad_optimizer_input_says_what_to_do(tmp_path):
+    """Muon given a vector, an optimizer declared element-wise that is not, a declaration that is not a class,
+    and two optimizers in automatic optimization: each a clear error naming the way out."""
+    with pytest.raises(ValueError, match="Muon steps matrices only.*AdamW"):
+        run(MLP("muon", bias=True), "single", 1)
+    with pytest.raises(ValueError, match="elementwise_optimizers names OwnLamb, but its step is not element-wise"):
+        run(new_mlp("own-lamb"), ZeroStrategy(stage=2, elementwise_optimizers={OwnLamb}), 1)
+    with pytest.raises(TypeError, match="elementwise_optimizers takes optimizer classes"):
+        FSDPStrategy(elementwise_optimizers={"lion"})
+
+    class TwoInAutomatic(MuonAndAdamW):
+        automatic_optimization = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = True
+
+    with pytest.raises(ValueError, match="several optimizers need manual optimization"):
+        run(TwoInAutomatic(), "single", 1)

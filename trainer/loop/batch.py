@@ -9,6 +9,8 @@ know: a skipped batch, a non-finite loss, a SIGTERM, training data that ran out,
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +20,7 @@ from ..data.uneven import Lookahead
 from ..evaluation.evaluate import log_metrics, to_step
 from .agreement import Agreement, agree
 from .nonfinite import nonfinite_losses
-from .optimizers import step_schedulers
+from .optimizers import check_closure_step, needs_closure, step_schedulers
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -51,11 +53,24 @@ class TrainingBatch:
         self._backward_in_window = False
         self._unsynced = False  # the window's gradients await the reduction no_sync held back
         self._skip_window = False  # a non-finite loss in this accumulation window (on_nonfinite="skip")
+        self.steps_with_closure = bool(
+            self.module.automatic_optimization and self.optimizer is not None and needs_closure(self.optimizer)
+        )
+        if self.steps_with_closure:
+            check_closure_step(self.optimizer, trainer.accumulate_grad_batches, trainer.precision.scaler)
 
     def run(self, batch: Any, batch_idx: int) -> None:
         t = self.trainer
         batch = to_step(t, batch)
         t._call("on_train_batch_start", batch, batch_idx)
+        outputs = self._step_with_closure(batch, batch_idx) if self.steps_with_closure else self._step(batch, batch_idx)
+        t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
+        t.state.epoch_complete = batch_idx + 1 >= t.num_training_batches or self.agreed.last_batch
+        t.state.time_elapsed = self.clock.elapsed()
+        t._call("on_train_batch_end", outputs, batch, batch_idx)
+
+    def _step(self, batch: Any, batch_idx: int) -> Any:
+        t = self.trainer
         with t.timer.phase("forward"), t.precision.autocast(), self.strategy.forward_context():
             output = self.module.training_step(batch, batch_idx)
         if not self.module.automatic_optimization:  # training_step did backward and the steps itself
@@ -80,10 +95,45 @@ class TrainingBatch:
             if window_end:
                 self._optimizer_step(batch_idx)
                 self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
-        t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
-        t.state.epoch_complete = batch_idx + 1 >= t.num_training_batches or self.agreed.last_batch
-        t.state.time_elapsed = self.clock.elapsed()
-        t._call("on_train_batch_end", outputs, batch, batch_idx)
+        return outputs
+
+    def _step_with_closure(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        """An optimizer whose step evaluates the loss itself, once or several times (LBFGS): as Lightning does,
+        training_step and backward (and clipping) run in the closure `optimizer.step(closure)` calls, as a plain
+        torch loop writes it. The closure returns the loss averaged over the data-parallel ranks, the global
+        batch's loss that one process would see, so every rank's line search decides alike. What training_step
+        logs is from its first evaluation: the loss at the weights the step starts from."""
+        t = self.trainer
+        losses: list[torch.Tensor] = []
+
+        def closure() -> torch.Tensor:
+            self.optimizer.zero_grad()
+            with _logging_off(self.module) if losses else nullcontext(), t.timer.phase("forward"):
+                with t.precision.autocast(), self.strategy.forward_context():
+                    output = self.module.training_step(batch, batch_idx)
+            loss = self._loss_from(output, batch_idx)
+            if loss is None:
+                raise ValueError(
+                    f"training_step returned None (batch {batch_idx}), but {type(self.optimizer).__name__} "
+                    "evaluates the loss in its step and cannot skip a batch"
+                )
+            t.backward(loss)
+            if t.gradient_clip_val is not None:
+                self.strategy.clip_gradients(t.gradient_clip_val, algorithm=t.gradient_clip_algorithm)
+            losses.append(self.strategy.all_reduce(loss.detach(), "mean", data_parallel=True))
+            return losses[-1]
+
+        with t.timer.phase("optimizer"):
+            t._call("on_before_optimizer_step", self.optimizer)
+            self.optimizer.step(closure)
+            t._call("on_before_zero_grad", self.optimizer)
+            self.optimizer.zero_grad()
+        agreed = self._agree(None, batch_idx)  # a signal, data that ran out (the loss is the line search's)
+        self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
+        t.state.global_step += 1
+        step_schedulers(t, "step", t.global_step)
+        self._log_step_metrics()
+        return {"loss": losses[0]}
 
     def _manual_outputs(self, output: Any, batch_idx: int) -> Any:
         """Manual optimization: the ranks still agree on a signal or data that ran out; global_step counts the
@@ -168,6 +218,16 @@ class TrainingBatch:
             self._nonfinite(f"gradient norm ({float(norm)}, over every rank)", batch_idx)
             return False
         return True
+
+
+@contextmanager
+def _logging_off(module: Any) -> Iterator[None]:
+    """`self.log` does nothing inside (a closure's later evaluations of the same batch)."""
+    module.log = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del module.log
 
 
 def _describe(value: Any) -> str:

@@ -8,6 +8,7 @@ a list or tuple of such dicts. A scheduler config steps every `frequency` epochs
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -121,7 +122,7 @@ def _describe(value: Any) -> str:
 def configure_optimizers(module: Any, strategy: Any) -> tuple[list, list[SchedulerConfig], list[list[list[str]]]]:
     """Call the module's configure_optimizers (after the strategy set the model up): the optimizers (each set up
     by the strategy), their scheduler configs, and the parameter names of each optimizer's groups."""
-    optimizers, configs = normalize(module.configure_optimizers())
+    optimizers, configs = normalize(_call_configure_optimizers(module))
     if len(optimizers) > 1 and getattr(module, "automatic_optimization", True):
         raise ValueError(
             f"configure_optimizers returned {len(optimizers)} optimizers; as in Lightning, several optimizers "
@@ -132,9 +133,49 @@ def configure_optimizers(module: Any, strategy: Any) -> tuple[list, list[Schedul
     return [strategy.setup_optimizer(opt) for opt in optimizers], configs, names
 
 
+def _call_configure_optimizers(module: Any) -> Any:
+    """The module's configure_optimizers(); torch's Muon refusing a parameter that is not a matrix says the way out."""
+    try:
+        return module.configure_optimizers()
+    except ValueError as error:
+        if "Muon only supports 2D parameters" not in str(error):
+            raise
+        raise ValueError(
+            f"configure_optimizers: {error}. torch.optim.Muon steps matrices only: give it the 2-D weights of the "
+            "hidden layers and another optimizer the rest (biases, norms, embeddings and the output head), e.g. "
+            "torch.optim.AdamW, and step both by hand (self.automatic_optimization = False), as "
+            "docs/optimizers.md shows"
+        ) from error
+
+
 def _param_group_names(module: Any, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     name_of = {id(p): name for name, p in module.named_parameters()}
     return [[name_of[id(p)] for p in group["params"] if id(p) in name_of] for group in optimizer.param_groups]
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` must be given a closure that evaluates the loss (LBFGS)."""
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def check_closure_step(optimizer: torch.optim.Optimizer, accumulate_grad_batches: int, scaler: Any) -> None:
+    """An optimizer that evaluates the loss in its step re-runs one batch's training_step: it cannot accumulate
+    several batches, nor skip steps with a loss scaler (Lightning refuses both too)."""
+    name = type(optimizer).__name__
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            f"accumulate_grad_batches={accumulate_grad_batches}: {name} evaluates the loss of one batch itself, "
+            "several times per step (optimizer.step(closure)); use accumulate_grad_batches=1 with it"
+        )
+    if scaler is not None:
+        raise ValueError(
+            f"precision='16-mixed' and {name} do not go together: the loss scaler may skip a step that {name} "
+            "evaluates the loss in; use precision='bf16-mixed' or '32'"
+        )
 
 
 def step_schedulers(trainer: Trainer, interval: str, count: int) -> None:
