@@ -435,3 +435,33 @@ def test_bad_optimizer_input_says_what_to_do(tmp_path):
 
     with pytest.raises(ValueError, match="several optimizers need manual optimization"):
         run(TwoInAutomatic(), "single", 1)
+
+
+def body_optimizer_bytes() -> dict:
+    out = {}
+    for optimizer in ("adafactor", "muon"):
+        for name in ("zero2", "fsdp"):
+            trainer = run(new_mlp(optimizer), per_layer(name), 2)
+            out[(optimizer, name)] = trainer.strategy.memory_report()["optimizer_state"]
+    return out
+
+
+def test_the_plan_counts_whole_tensor_state_as_the_engine_holds_it(rank_pool):
+    """Each rank keeps the state of the whole matrices it owns: Muon one buffer of each, Adafactor a row and a
+    column of each matrix (and a vector's variance); the plan lays the owners out as the engine does and counts
+    the same bytes on every rank, and the step's whole tensors beside them."""
+    from strategies.plan.model_bytes import model_state_bytes
+    from strategies.sharding import FULL_SHARD, ZERO2
+
+    by_rank = rank_pool(2).run(body_optimizer_bytes)
+    for optimizer in ("adafactor", "muon"):
+        for name, spec in (("zero2", ZERO2), ("fsdp", FULL_SHARD)):
+            policy = {nn.Linear} if name == "fsdp" else None
+            for rank in (0, 1):
+                planned = model_state_bytes(new_mlp(optimizer), spec, 2, rank, policy, optimizer=optimizer)
+                assert planned.optimizer == by_rank[rank][(optimizer, name)], (optimizer, name, rank)
+    # Adafactor factors (32, 16): 32 + 16 elements, not 512; Muon keeps all 512 of its momentum
+    rows_and_columns = model_state_bytes(new_mlp("adafactor"), FULL_SHARD, 1, 0, optimizer="adafactor")
+    assert rows_and_columns.optimizer == 4 * ((HIDDEN + IN) + HIDDEN + (OUT + HIDDEN) + OUT)
+    whole = model_state_bytes(new_mlp("muon"), FULL_SHARD, 2, 0, {nn.Linear}, optimizer="muon")
+    assert whole.optimizer_step == 4 * 4 * HIDDEN * IN  # rank 0 steps the (32, 16) matrix whole

@@ -410,8 +410,8 @@ def test_bad_arguments_are_value_errors_naming_them():
     assert parse_bytes(1024, "x") == 1024
     with pytest.raises(ValueError, match="world_size=0"):
         plan_memory(MLP(), world_size=0)
-    with pytest.raises(ValueError, match="optimizer='lion'.*adamw"):
-        plan_memory(MLP(), optimizer="lion")
+    with pytest.raises(ValueError, match="optimizer='shampoo'.*adamw"):
+        plan_memory(MLP(), optimizer="shampoo")
     with pytest.raises(ValueError, match="precision='fp8'.*bf16-mixed"):
         plan_memory(MLP(), precision="fp8")
     with pytest.raises(ValueError, match="nodes=2"):

@@ -33,6 +33,7 @@ from torch import nn
 from ..sharding import ShardingSpec
 from ..sharding.layout import FlatLayout
 from ..sharding.unit import assign_to_units, full_precision_norm_units, gradient_buckets, policy_modules
+from ..sharding.whole_tensors import assign_owners
 from ..wrap import resolve_wrap_policy
 from .activations import StepActivations
 from .report import StrategyMemory
@@ -49,7 +50,17 @@ OPTIMIZER_STATES: dict[str, int] = {
     "adagrad": 1,  # sum
     "rmsprop": 1,  # square_avg (one more with momentum, one more if centered)
     "sgd": 0,
+    "lion": 1,  # exp_avg (pytorch-optimizer's)
+    "muon": 1,  # momentum_buffer
+    "lamb": 2,  # exp_avg, exp_avg_sq (pytorch-optimizer's)
+    "adafactor": 1,  # variance of a vector; a matrix keeps a row and a column instead (FACTORED)
 }
+# Optimizers whose step reads whole tensors (strategies/sharding/step_kind.py): under sharded optimizer state each
+# rank steps the whole parameters it owns (whole_tensors.py), keeping their state, and holds during the step a whole
+# value and gradient of each, and the pieces they were laid out from (WHOLE_STEP_COPIES).
+WHOLE_TENSOR_OPTIMIZERS = {"muon", "lamb", "adafactor"}
+FACTORED = {"adafactor"}  # a matrix's second moments as one row and one column
+WHOLE_STEP_COPIES = 4
 # torch's optimizers without foreach step one tensor at a time: Adam's `exp_avg_sq.sqrt() / bias_correction2_sqrt`
 # has two tensors of its size alive at once. With foreach (torch's default for CUDA tensors), `_foreach_sqrt` makes
 # one tensor the size of every state tensor of a parameter group (per device and dtype) before it is used.
@@ -209,6 +220,31 @@ def gradients_in_flight(units: list[PlannedUnit], step: StepActivations) -> int:
     return max(0, peak - max(step.segment_peaks))
 
 
+def state_elements(optimizer: str, shape: torch.Size) -> int:
+    """Elements of the state `optimizer` keeps for a whole parameter of `shape`."""
+    if optimizer in FACTORED and len(shape) >= 2:
+        return shape.numel() // shape[-1] + shape.numel() // shape[-2]  # a row and a column
+    return OPTIMIZER_STATES[optimizer] * shape.numel()
+
+
+def whole_tensor_steps(
+    units: list[PlannedUnit], spec: ShardingSpec, world_size: int, optimizer: str
+) -> list[tuple[int, int]]:
+    """Per rank, for an optimizer that steps whole tensors: (bytes of its state, elements it steps whole), with
+    each trainable parameter owned as the engine owns it (whole_tensors.assign_owners); every rank steps every
+    parameter without sharded optimizer state."""
+    params = [(u.layout.shapes[i], u.dtype.itemsize) for u in units for i, t in enumerate(u.trainable) if t]
+    if spec.shard_optimizer_state:
+        owners = assign_owners([shape.numel() for shape, _ in params], world_size)
+    else:
+        owners = [None] * len(params)
+    out = []
+    for rank in range(world_size):
+        mine = [(shape, size) for (shape, size), owner in zip(params, owners) if owner in (rank, None)]
+        out.append((sum(state_elements(optimizer, s) * size for s, size in mine), sum(s.numel() for s, _ in mine)))
+    return out
+
+
 def optimizer_step_temporaries(
     units: list[PlannedUnit], spec: ShardingSpec, world_size: int, states: int, foreach: bool
 ) -> int:
@@ -252,9 +288,21 @@ def model_state_bytes(
         param_dtype = None  # nothing to cast: no separate master copy
     units = plan_units(model, spec, world_size, wrap_policy, param_dtype)
     ranks = range(world_size) if rank is None else [rank]
-    per_rank = [[sum(b) for b in zip(*(_unit_bytes(u, spec, r, states, reduce_dtype) for u in units))] for r in ranks]
+    whole = optimizer in WHOLE_TENSOR_OPTIMIZERS
+    piece_states = 0 if whole else states  # (whole-tensor state is counted per owner below)
+    per_rank = [
+        [sum(b) for b in zip(*(_unit_bytes(u, spec, r, piece_states, reduce_dtype) for u in units))] for r in ranks
+    ]
+    if whole:
+        owned = whole_tensor_steps(units, spec, world_size, optimizer)
+        per_rank = [[p, g, o + owned[r][0]] for r, (p, g, o) in zip(ranks, per_rank)]
     parameters, gradients, optimizer_bytes = max(per_rank, key=sum)
     foreach = torch.cuda.is_available() if foreach is None else foreach
+    if whole and spec.shard_optimizer_state:  # the whole tensors a rank steps, and the pieces they came from
+        master = max((u.dtype.itemsize for u in units), default=4)
+        step_bytes = WHOLE_STEP_COPIES * max(elements for _, elements in owned) * master
+    else:
+        step_bytes = optimizer_step_temporaries(units, spec, world_size, states, foreach)
     return StrategyMemory(
         parameters,
         gradients,
@@ -262,5 +310,5 @@ def model_state_bytes(
         units_in_flight(units, spec, step),
         0,
         gradients_between_steps=not spec.shard_gradients,
-        optimizer_step=optimizer_step_temporaries(units, spec, world_size, states, foreach),
+        optimizer_step=step_bytes,
     )

@@ -102,12 +102,10 @@ class WholeTensorSteps:
         return Member(unit, index, EVERY_RANK, pieces, split)
 
     def _assign_owners(self) -> None:
-        """Largest first, each to the rank with the fewest elements so far (the same on every rank: sizes of the
-        whole tensors, ties to the lowest rank); then the tensors this rank steps."""
-        loads = [0] * self.groups.size
-        for m in sorted(self.members, key=lambda m: -m.shape.numel()) if self.sharded else []:
-            m.owner = min(range(len(loads)), key=lambda r: (loads[r], r))
-            loads[m.owner] += m.shape.numel()
+        """Each parameter's owner (assign_owners), then the tensors this rank steps."""
+        if self.sharded:
+            for m, owner in zip(self.members, assign_owners([m.shape.numel() for m in self.members], self.groups.size)):
+                m.owner = owner
         for m in self.members:
             if m.owner == self.rank or m.owner == EVERY_RANK:
                 if m.split is None and not self.sharded:
@@ -215,6 +213,16 @@ class WholeTensorSteps:
 
     def _find(self, unit: ShardUnit, index: int) -> Member | None:
         return self._members_by_place.get((id(unit), index))
+
+
+def assign_owners(sizes: list[int], ranks: int) -> list[int]:
+    """The rank that steps each tensor of `sizes` elements whole: the largest first, each to the rank with the
+    fewest elements so far, ties to the lowest rank (so every rank finds the same from the same sizes)."""
+    loads, owners = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[owners[i]] += sizes[i]
+    return owners
 
 
 def _by_dtype(members: list[Member]) -> list[list[Member]]:
