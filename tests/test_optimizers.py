@@ -465,3 +465,42 @@ def test_the_plan_counts_whole_tensor_state_as_the_engine_holds_it(rank_pool):
     assert rows_and_columns.optimizer == 4 * ((HIDDEN + IN) + HIDDEN + (OUT + HIDDEN) + OUT)
     whole = model_state_bytes(new_mlp("muon"), FULL_SHARD, 2, 0, {nn.Linear}, optimizer="muon")
     assert whole.optimizer_step == 4 * 4 * HIDDEN * IN  # rank 0 steps the (32, 16) matrix whole
+
+
+def plain_loop(strategy=None) -> dict[str, torch.Tensor]:
+    """A plain torch loop with torch's Adafactor and clip_grad_norm_, 4 samples a step: in one process, or under
+    `strategy` (setup_module / setup_optimizer, Fabric's names) each rank on its share of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=0.05)
+    rank, world = 0, 1
+    if strategy is not None:
+        model, optimizer = strategy.setup_module(model), None
+        optimizer = strategy.setup_optimizer(torch.optim.Adafactor(model.parameters(), lr=0.05))
+        rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = dataset().tensors
+    for step in range(STEPS):
+        rows = torch.arange(step * 4, (step + 1) * 4)[rank::world]
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    if strategy is None:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = optimizer.state_dict()  # the habit: this rank's state, of the whole matrices it owns
+    optimizer.load_state_dict(state)
+    shapes = {tuple(v.shape) for entries in state["state"].values() for k, v in entries.items() if k != "step"}
+    assert shapes and shapes <= {(HIDDEN, 1), (1, IN), (OUT, 1), (1, HIDDEN), (HIDDEN,), (OUT,)}, shapes
+    return strategy.full_state_dict()
+
+
+def body_plain_loop() -> dict[str, torch.Tensor]:
+    return plain_loop(FSDPStrategy(auto_wrap_policy={nn.Linear}))
+
+
+def test_a_plain_torch_loop_with_adafactor_and_clip_grad_norm(rank_pool):
+    """The habits of a plain torch user under fsdp: torch's clip_grad_norm_ on the model's parameters, and the
+    optimizer's own state_dict() saved and loaded on the same rank (Adafactor's factors in their shapes)."""
+    want = plain_loop()
+    got = rank_pool(2).run(body_plain_loop)[0]
+    assert max_relative_difference(got, want) <= TOLERANCE
