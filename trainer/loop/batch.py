@@ -63,14 +63,9 @@ class TrainingBatch:
         t = self.trainer
         batch = to_step(t, batch)
         t._call("on_train_batch_start", batch, batch_idx)
-        outputs = self._step_with_closure(batch, batch_idx) if self.steps_with_closure else self._step(batch, batch_idx)
-        t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
-        t.state.epoch_complete = batch_idx + 1 >= t.num_training_batches or self.agreed.last_batch
-        t.state.time_elapsed = self.clock.elapsed()
-        t._call("on_train_batch_end", outputs, batch, batch_idx)
-
-    def _step(self, batch: Any, batch_idx: int) -> Any:
-        t = self.trainer
+        if self.steps_with_closure:  # training_step runs inside optimizer.step (LBFGS)
+            self._end_batch(self._step_with_closure(batch, batch_idx), batch, batch_idx)
+            return
         with t.timer.phase("forward"), t.precision.autocast(), self.strategy.forward_context():
             output = self.module.training_step(batch, batch_idx)
         if not self.module.automatic_optimization:  # training_step did backward and the steps itself
@@ -95,7 +90,14 @@ class TrainingBatch:
             if window_end:
                 self._optimizer_step(batch_idx)
                 self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
-        return outputs
+        self._end_batch(outputs, batch, batch_idx)
+
+    def _end_batch(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        t = self.trainer
+        t.state.batches_done_in_epoch = batch_idx + 1  # before the hook: a checkpoint saved there resumes after it
+        t.state.epoch_complete = batch_idx + 1 >= t.num_training_batches or self.agreed.last_batch
+        t.state.time_elapsed = self.clock.elapsed()
+        t._call("on_train_batch_end", outputs, batch, batch_idx)
 
     def _step_with_closure(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         """An optimizer whose step evaluates the loss itself, once or several times (LBFGS): as Lightning does,
