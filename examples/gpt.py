@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from callbacks import Callback, LearningRateMonitor, ModelCheckpoint
-from strategies import FSDPStrategy
+from strategies import FSDPStrategy, sequence_positions
 from trainer import Trainer, TrainModule, seed_everything
 
 # ----------------------------------------------------------------------------------------------- data
@@ -208,7 +208,7 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(t, device=idx.device)
+        pos = sequence_positions(t, idx.device)  # arange(t), or this rank's part's under context parallel
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)

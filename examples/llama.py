@@ -29,6 +29,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from strategies import sequence_positions
+
 
 @dataclass
 class LlamaConfig:
@@ -67,7 +69,8 @@ def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding of x (batch, heads, time, head_dim), computed on the fly (no buffer)."""
     half = x.shape[-1] // 2
     freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)[:, None] * freqs
+    # this rank's global positions under context parallel (torch.arange of the length otherwise)
+    angles = sequence_positions(x.shape[-2], x.device).to(torch.float32)[:, None] * freqs
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)

@@ -2,6 +2,7 @@
 
 from . import _torch_version  # noqa: F401  (first: an older torch is refused by name before anything fails)
 from .base import Strategy
+from .context_parallel import sequence_positions
 from .ddp import DDPStrategy
 from .fsdp import FSDPStrategy
 from .options import MixedPrecision
@@ -22,4 +23,5 @@ __all__ = [
     "get_strategy",
     "mark_as_unit",
     "observe",
+    "sequence_positions",
 ]

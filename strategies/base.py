@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_map
 
 from .checkpoint import plain_loop
 from .compile import compile_in_place, modules_to_compile, resolve_compile
+from .context_parallel import ContextParallel, check_method
+from .parallel_dims import CONTEXT_PARALLEL, DATA_PARALLEL, TENSOR_PARALLEL, ParallelDims, ParallelGroups, check_size
 from .sharding import ShardingEngine, ShardingSpec, observe
 from .sharding import gradients as engine_gradients
 from .sharding import state_dict as engine_state
@@ -29,15 +31,7 @@ from .sharding.engine import engine_of
 from .sharding.meta_init import InitRecord
 from .sharding.state_dict import ModelShards, OptimizerShards
 from .step_trace import ALL_REDUCE, Collective, StepTrace, identity
-from .tensor_parallel import (
-    DATA_PARALLEL,
-    TENSOR_PARALLEL,
-    TensorParallelParameters,
-    TensorParallelState,
-    check_tensor_parallel_size,
-    make_device_mesh,
-    resolve_tensor_parallel_size,
-)
+from .tensor_parallel import TensorParallelParameters, TensorParallelState
 
 REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -80,6 +74,12 @@ class Strategy:
         tensor_parallel_size: the ranks that split each layer with torch's tensor parallel, which the module
             applies in `configure_model` on `self.device_mesh["tensor_parallel"]` (1: none; "auto": the GPUs of
             one node). The strategy then shards the local pieces over the data-parallel ranks.
+        context_parallel_size: the ranks that split each sequence (1: none). They read the same samples, the
+            Trainer gives each its part of every sequence, and attention (`F.scaled_dot_product_attention`) is exact
+            over the whole sequence; `self.device_mesh` gains "context_parallel" (docs/strategies.md, "Long
+            sequences").
+        context_parallel_method: `"ulysses"` (an all-to-all around attention trades the sequence for heads; any
+            device; the heads must divide by context_parallel_size x tensor_parallel_size).
         elementwise_optimizers: optimizer classes you declare element-wise (each element's update depends on that
             element alone), so that they step this rank's flat pieces; torch's are known and any other class is
             checked before its first step, so this is only needed for a class the check cannot build. A declared
@@ -104,11 +104,18 @@ class Strategy:
         compile_options: dict[str, Any] | None = None,
         tensor_parallel_size: int | str = 1,
         elementwise_optimizers: Iterable[type] = (),
+        context_parallel_size: int = 1,
+        context_parallel_method: str = "ulysses",
     ) -> None:
+        owner = type(self).__name__
         self.engine: ShardingEngine | None = None
-        self.elementwise_optimizers = check_elementwise_optimizers(type(self).__name__, elementwise_optimizers)
-        self.tensor_parallel_size = check_tensor_parallel_size(type(self).__name__, tensor_parallel_size)
-        self._device_mesh: DeviceMesh | None = None
+        self.elementwise_optimizers = check_elementwise_optimizers(owner, elementwise_optimizers)
+        self.tensor_parallel_size = check_size(owner, "tensor_parallel_size", tensor_parallel_size, auto=True)
+        self.context_parallel_size = check_size(owner, "context_parallel_size", context_parallel_size)
+        self.context_parallel_method = check_method(owner, context_parallel_method)
+        self.parallel_dims: ParallelDims | None = None  # every parallel dimension's size, once connected
+        self._groups: ParallelGroups | None = None  # their mesh and process groups, made on first need
+        self.context_parallel: ContextParallel | None = None  # this rank's context-parallel group, if any
         self.tensor_parallel: TensorParallelParameters | None = None  # the model's DTensor parameters, held locally
         self._init_record: InitRecord | None = None  # of the last model built under model_init_context
         self.root_device = torch.device("cpu")
@@ -137,36 +144,61 @@ class Strategy:
         self.root_device, self.world_size, self.global_rank = device, world_size, global_rank
         self._connected = True
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        self.tensor_parallel_size = resolve_tensor_parallel_size(self.tensor_parallel_size, world_size, ranks_per_node)
-        if self.tensor_parallel_size > 1:  # made now, on every rank together (it creates process groups)
-            self._device_mesh = make_device_mesh(device.type, world_size, self.tensor_parallel_size)
+        dims = ParallelDims.resolve(world_size, self.tensor_parallel_size, self.context_parallel_size, ranks_per_node)
+        self.parallel_dims, self.tensor_parallel_size = dims, dims.tensor
+        if dims.tensor > 1 or dims.context > 1:  # made now, on every rank together (it creates process groups)
+            self._groups = ParallelGroups(dims, device.type)
+        if dims.context > 1:
+            group = self._groups.group(CONTEXT_PARALLEL)
+            self.context_parallel = ContextParallel(dims.context, self.context_parallel_method, group, device)
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The 2-D mesh of the ranks, dimensions "data_parallel" and "tensor_parallel" (as Lightning's
-        ModelParallelStrategy): in `configure_model`, apply torch's tensor parallel on
-        `device_mesh["tensor_parallel"]`. Made on first use when `tensor_parallel_size` is 1 (collective then). In a
-        plain loop under torchrun, read it before `setup_module` to split the model."""
+        """The mesh of the ranks, dimensions "data_parallel", "context_parallel" and "tensor_parallel" (the first
+        and last as Lightning's ModelParallelStrategy names them): in `configure_model`, apply torch's tensor
+        parallel on `device_mesh["tensor_parallel"]`. Made on first use without tensor or context parallel
+        (collective then). In a plain loop under torchrun, read it before `setup_module` to split the model."""
         if not self._connected:
             self.connect(*_environment())
-        if self._device_mesh is None:
-            self._device_mesh = make_device_mesh(self.root_device.type, self.world_size, self.tensor_parallel_size)
-        return self._device_mesh
+        if self._groups is None:
+            self._groups = ParallelGroups(self.parallel_dims, self.root_device.type)
+        return self._groups.mesh
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks that split the data: the world size over `tensor_parallel_size`."""
-        return self.world_size // self.tensor_parallel_size
+        """The ranks that read different samples: the world size over tensor and context parallel's."""
+        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size)
 
     @property
     def data_parallel_group(self) -> Any:
-        """The process group of this rank's data-parallel ranks under tensor parallel (None without: all ranks)."""
-        return self.device_mesh[DATA_PARALLEL].get_group() if self.tensor_parallel_size > 1 else None
+        """The process group of this rank's data-parallel ranks under tensor or context parallel (None without:
+        all ranks): each tensor- or context-parallel group counted once."""
+        return self._groups.group(DATA_PARALLEL) if self._splits_samples else None
+
+    @property
+    def gradient_group(self) -> Any:
+        """The ranks that see different data and average gradients: data-parallel and context-parallel ranks at
+        this rank's tensor-parallel position (None: all ranks). Metric objects sync over them."""
+        return self._groups.gradient if self._groups is not None else None
 
     @property
     def data_parallel_rank(self) -> int:
-        """This rank's place among the data-parallel ranks (the ranks of one tensor-parallel group share it)."""
-        return self.global_rank // self.tensor_parallel_size
+        """This rank's place among the data-parallel ranks (the ranks of one tensor- or context-parallel group
+        share it)."""
+        return self.data_parallel_rank_of(self.global_rank)
+
+    def data_parallel_rank_of(self, rank: int) -> int:
+        """The data-parallel place of global rank `rank`."""
+        return rank // (self.tensor_parallel_size * self.context_parallel_size)
+
+    @property
+    def ranks_per_data_parallel_rank(self) -> int:
+        """The ranks that read the same samples (a tensor- and context-parallel group)."""
+        return self.tensor_parallel_size * self.context_parallel_size
+
+    @property
+    def _splits_samples(self) -> bool:
+        return self.tensor_parallel_size * self.context_parallel_size > 1
 
     @property
     def is_global_zero(self) -> bool:
@@ -246,11 +278,29 @@ class Strategy:
         self._note(Collective(ALL_REDUCE, (op, tuple(tensor.shape), str(tensor.dtype))))
         out = tensor.detach().clone().to(self.root_device)
         group, size = None, self.world_size
-        if data_parallel and self.tensor_parallel_size > 1:
-            group, size = self.device_mesh[DATA_PARALLEL].get_group(), self.data_parallel_size
+        if data_parallel and self._splits_samples:
+            group, size = self.data_parallel_group, self.data_parallel_size
         with observe.collective("all_reduce", None, out.numel()):
             dist.all_reduce(out, op=REDUCE_OPS[op], group=group)
         return out / size if op == "mean" else out
+
+    def average_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The mean of `tensor` over the ranks that see different data (data-parallel and context-parallel ranks;
+        each tensor-parallel group counted once). Collective.
+
+        Args:
+            tensor: this rank's tensor (left unchanged).
+
+        Returns:
+            A new tensor holding the mean.
+        """
+        out = tensor.detach().clone().to(self.root_device)
+        if self.distributed:
+            self._note(Collective(ALL_REDUCE, ("mean", tuple(tensor.shape), str(tensor.dtype))))
+            with observe.collective("all_reduce", None, out.numel()):
+                dist.all_reduce(out, group=self.gradient_group)
+            out = out / (self.data_parallel_size * self.context_parallel_size)
+        return out
 
     def all_gather(self, data: Any, sync_grads: bool = False) -> Any:
         """Every rank's tensors in `data`, stacked along a new first dimension of size `world_size`. Collective.
@@ -353,9 +403,9 @@ class Strategy:
         options = self.engine_options()
         if self.tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallelParameters(module, self.device_mesh[TENSOR_PARALLEL])
-            options["group"] = self.device_mesh[DATA_PARALLEL].get_group()
-            size = self.tensor_parallel_size  # rank = data-parallel index x size + tensor-parallel index
-            options["every_data_parallel_group"] = [list(range(t, self.world_size, size)) for t in range(size)]
+            # the engine averages and shards over the ranks at this tensor-parallel position (parallel_dims.py)
+            options["group"] = self.gradient_group
+            options["every_data_parallel_group"] = self.parallel_dims.gradient_groups()
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record, **options)
         if self.tensor_parallel is not None:
             self.tensor_parallel.install()
@@ -388,8 +438,31 @@ class Strategy:
 
     def forward_context(self) -> AbstractContextManager:
         """The context of one forward pass of the model (the Trainer runs `training_step`, `validation_step`, ...
-        in it)."""
-        return self.engine.forward_scope()
+        in it): under context parallel, attention over the whole sequence too."""
+        if self.context_parallel is None:
+            return self.engine.forward_scope()
+        stack = ExitStack()
+        stack.enter_context(self.engine.forward_scope())
+        stack.enter_context(self.context_parallel.active())
+        return stack
+
+    # ---- context parallel: what a step does with its batch (context_parallel.py) -----------------------------
+    def split_sequence(self, batch: Any) -> Any:
+        """This rank's part of the batch's sequences under context parallel (the batch itself otherwise).
+        Collective over the context-parallel ranks."""
+        return batch if self.context_parallel is None else self.context_parallel.split(batch)
+
+    def weigh_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Under context parallel, the loss weighed so that the ranks' losses average to the mean over every
+        counted token of the sequences (see context_parallel.py)."""
+        return loss if self.context_parallel is None else self.context_parallel.weigh_loss(loss)
+
+    def combine_sequence_parts(self, value: torch.Tensor) -> torch.Tensor:
+        """A value a step logs, under context parallel the whole sequences' (each token counted once); collective
+        over the context-parallel ranks."""
+        if self.context_parallel is None or not self.context_parallel.is_active:
+            return value
+        return self.context_parallel.combine(value)
 
     @contextmanager
     def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:

@@ -55,6 +55,9 @@ class FSDPStrategy(Strategy):
             one node). The strategy then shards the local pieces over the data-parallel ranks.
         elementwise_optimizers: optimizer classes declared element-wise, stepped on this rank's flat pieces (see
             `Strategy`; torch's are known and other classes are checked, so this is rarely needed).
+        context_parallel_size: the ranks that split each sequence (see `Strategy`); the model state is sharded
+            over them too.
+        context_parallel_method: `"ulysses"` (see `Strategy`).
 
     Raises:
         TypeError: if `auto_wrap_policy` or `activation_checkpointing` is not one of the forms above; if
@@ -86,8 +89,17 @@ class FSDPStrategy(Strategy):
         compile_options: dict[str, Any] | None = None,
         tensor_parallel_size: int | str = 1,
         elementwise_optimizers: Any = (),
+        context_parallel_size: int = 1,
+        context_parallel_method: str = "ulysses",
     ) -> None:
-        super().__init__(compile, compile_options, tensor_parallel_size, elementwise_optimizers)
+        super().__init__(
+            compile,
+            compile_options,
+            tensor_parallel_size,
+            elementwise_optimizers,
+            context_parallel_size,
+            context_parallel_method,
+        )
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
         self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing, "activation_checkpointing")

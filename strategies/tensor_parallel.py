@@ -18,41 +18,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .sharding import FlatPieces
-
-DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"
-
-
-def check_tensor_parallel_size(owner: str, value: Any) -> int | str:
-    """`tensor_parallel_size` as given, checked: a positive int or "auto"."""
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
-    raise ValueError(
-        f"{owner}: tensor_parallel_size={value!r}; choose a positive int (the ranks that split each layer) "
-        'or "auto" (the GPUs of one node)'
-    )
-
-
-def resolve_tensor_parallel_size(value: int | str, world_size: int, ranks_per_node: int) -> int:
-    """The tensor-parallel size for `world_size` ranks: "auto" is the ranks of one node (as Lightning's
-    ModelParallelStrategy); it must divide the ranks."""
-    size = ranks_per_node if value == "auto" else value
-    if world_size % size:
-        raise ValueError(
-            f"tensor_parallel_size={value!r} ({size}) does not divide the {world_size} ranks (devices x num_nodes); "
-            f"choose one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-        )
-    return size
-
-
-def make_device_mesh(device_type: str, world_size: int, tensor_parallel_size: int) -> DeviceMesh:
-    """The 2-D mesh ("data_parallel", "tensor_parallel"): ranks next to each other split a layer (on one node,
-    where the link is fastest), every `tensor_parallel_size`-th rank holds the same piece. Collective."""
-    shape = (world_size // tensor_parallel_size, tensor_parallel_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=(DATA_PARALLEL, TENSOR_PARALLEL))
 
 
 @dataclass(frozen=True)

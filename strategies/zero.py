@@ -32,6 +32,9 @@ class ZeroStrategy(Strategy):
             one node). The strategy then shards the local pieces over the data-parallel ranks.
         elementwise_optimizers: optimizer classes declared element-wise, stepped on this rank's flat pieces (see
             `Strategy`; torch's are known and other classes are checked, so this is rarely needed).
+        context_parallel_size: the ranks that split each sequence (see `Strategy`); the model state is sharded
+            over them too.
+        context_parallel_method: `"ulysses"` (see `Strategy`).
 
     Raises:
         ValueError: if `stage` is not 1 or 2, or `hybrid_shard` is not one of the forms above.
@@ -48,10 +51,19 @@ class ZeroStrategy(Strategy):
         compile_options: dict[str, Any] | None = None,
         tensor_parallel_size: int | str = 1,
         elementwise_optimizers: Any = (),
+        context_parallel_size: int = 1,
+        context_parallel_method: str = "ulysses",
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroStrategy: stage={stage!r}; choose 1 or 2 (use FSDPStrategy for stage 3)")
-        super().__init__(compile, compile_options, tensor_parallel_size, elementwise_optimizers)
+        super().__init__(
+            compile,
+            compile_options,
+            tensor_parallel_size,
+            elementwise_optimizers,
+            context_parallel_size,
+            context_parallel_method,
+        )
         self.stage = stage
         self.spec = ZERO1 if stage == 1 else ZERO2
         self.name = f"zero{stage}"

@@ -174,6 +174,8 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
         Raises:
             RuntimeError: if the module is not attached to a Trainer.
         """
+        if isinstance(value, torch.Tensor) and not rank_zero_only:  # a part of split sequences: the whole's
+            value = self.trainer.strategy.combine_sequence_parts(value)
         self.trainer.metrics.log(
             name,
             value,

@@ -266,7 +266,7 @@ class Trainer:
         self.metrics = MetricCollector(
             reduce=lambda tensor, op: self.strategy.all_reduce(tensor, op, data_parallel=True),
             gather=lambda obj: self.strategy.all_gather_object(obj),
-            data_parallel_group=lambda: self.strategy.data_parallel_group,
+            data_parallel_group=lambda: self.strategy.gradient_group,  # the ranks that see different data
         )
         self.step_memory = StepMemory()  # what a rank without an evaluation batch repeats (evaluation/steps.py)
         self.skipped_validation: str | None = None  # why fit does not validate, when a loader was given

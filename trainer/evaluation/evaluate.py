@@ -20,7 +20,7 @@ def to_step(trainer: Trainer, batch: Any) -> Any:
     """The batch on the device in the precision's dtype; its size weighs the step's logged values."""
     batch = trainer.precision.convert_input(move_to_device(batch, trainer.strategy.root_device))
     trainer.metrics.start_step(batch)
-    return batch
+    return trainer.strategy.split_sequence(batch)  # (this rank's part of each sequence under context parallel)
 
 
 def log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:

@@ -85,8 +85,8 @@ class _Steps:
     def _counts(self) -> list[int] | None:
         """Every rank's number of batches, when the loaders have a length; None otherwise. Collective."""
         counts = batches_per_rank(self.loader)  # by data-parallel rank
-        if counts is not None:  # the ranks of a tensor-parallel group read the same batches
-            return [counts[rank // self.strategy.tensor_parallel_size] for rank in range(self.strategy.world_size)]
+        if counts is not None:  # the ranks of a tensor- or context-parallel group read the same batches
+            return [counts[self.strategy.data_parallel_rank_of(rank)] for rank in range(self.strategy.world_size)]
         if not self.strategy.distributed:
             return counts
         length = None if _is_iterable(self.loader) else loader_length(self.loader)

@@ -72,6 +72,7 @@ class TrainingBatch:
             outputs = self._manual_outputs(output, batch_idx)
         else:
             loss = self._loss_from(output, batch_idx)
+            loss = loss if loss is None else self.strategy.weigh_loss(loss)  # (its share of a split sequence)
             value = loss.full_tensor() if isinstance(loss, DTensor) else loss  # (loss_parallel's DTensor)
             agreed = self._agree(value, batch_idx)
             window_end = (
@@ -119,10 +120,11 @@ class TrainingBatch:
                     f"training_step returned None (batch {batch_idx}), but {type(self.optimizer).__name__} "
                     "evaluates the loss in its step and cannot skip a batch"
                 )
+            loss = self.strategy.weigh_loss(loss)
             t.backward(loss)
             if t.gradient_clip_val is not None:
                 self.strategy.clip_gradients(t.gradient_clip_val, algorithm=t.gradient_clip_algorithm)
-            losses.append(self.strategy.all_reduce(loss.detach(), "mean", data_parallel=True))
+            losses.append(self.strategy.average_over_data(loss))
             return losses[-1]
 
         with t.timer.phase("optimizer"):

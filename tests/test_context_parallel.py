@@ -1,0 +1,199 @@
+"""Context parallel (docs/strategies.md, "Long sequences"): the ranks of a context-parallel group read the same
+samples, each trains on its part of every sequence, and attention is exact over the whole sequence ("ulysses": an
+all-to-all trades the sequence for heads around F.scaled_dot_product_attention). K steps give one process's
+weights on the global batch, the examples' GPT and Llama as they are written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from examples.gpt import GPT, GPTConfig
+from examples.gpt import Block as GPTBlock
+from examples.llama import LLAMA_PRESETS, Llama
+from examples.llama import Block as LlamaBlock
+from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
+from tests.test_parity import max_relative_difference
+from trainer import Trainer, TrainModule
+
+SEQ, VOCAB, PER_RANK_BATCH, STEPS = 16, 64, 2, 3
+TOLERANCE = 1e-4  # AdamW, as tests/test_parity.py: its update turns sums in another order into 1e-5 and more
+GPT_CONFIG = GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=32, dropout=0.0, bias=True)
+LLAMA_CONFIG = dataclasses.replace(LLAMA_PRESETS["tiny"], vocab_size=VOCAB, max_seq_len=SEQ)
+
+
+class LM(TrainModule):
+    """A language model on (inputs, targets) batches, its loss the mean over the counted targets."""
+
+    def __init__(self, kind: str = "gpt") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind = kind
+        self.model = GPT(GPT_CONFIG) if kind == "gpt" else Llama(LLAMA_CONFIG)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())  # (ignore_index -100)
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.cross_entropy(self.model(x).flatten(0, 1), y.flatten()), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6)
+
+
+def tokens(samples: int = 24, ignored: bool = False) -> TensorDataset:
+    """Random token windows; with `ignored`, targets -100 in uneven runs (more in the later half of the
+    sequences, where the last context-parallel rank's part is)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (samples, SEQ), generator=g)
+    if ignored:
+        for i in range(samples):
+            y[i, SEQ - 1 - i % 7 :] = -100
+            y[i, i % 3] = -100
+    return TensorDataset(x, y)
+
+
+def block_of(kind: str) -> type:
+    return GPTBlock if kind == "gpt" else LlamaBlock
+
+
+def strategy_of(name: str, kind: str, cp: int, tp: int = 1):
+    options = dict(context_parallel_size=cp, tensor_parallel_size=tp)
+    if name == "ddp":
+        return DDPStrategy(**options)
+    if name in ("zero1", "zero2"):
+        return ZeroStrategy(stage=int(name[-1]), **options)
+    if name == "hsdp":
+        return FSDPStrategy(auto_wrap_policy={block_of(kind)}, hybrid_shard=2, **options)
+    return FSDPStrategy(auto_wrap_policy={block_of(kind)}, **options)
+
+
+def fit(module, strategy, devices: int, batch_size: int, ignored: bool = False, **kwargs) -> Trainer:
+    trainer = Trainer(
+        strategy=strategy,
+        devices=devices,
+        max_steps=STEPS,
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    trainer.fit(module, DataLoader(tokens(ignored=ignored), batch_size=batch_size))
+    return trainer
+
+
+def one_process(kind: str, data_parallel: int, ignored: bool = False) -> dict[str, torch.Tensor]:
+    trainer = fit(LM(kind), "single", 1, PER_RANK_BATCH * data_parallel, ignored)
+    return trainer.strategy.full_state_dict()
+
+
+def is_rank_zero() -> bool:
+    return dist.get_rank() == 0
+
+
+# ------------------------------------------------------------------------------------ bodies run on every rank
+
+
+def body_fit(kinds: list[str], names: list[str], cp: int, tp: int = 1, ignored: bool = False) -> dict | None:
+    out = {}
+    for kind in kinds:
+        for name in names:
+            trainer = fit(LM(kind), strategy_of(name, kind, cp, tp), dist.get_world_size(), PER_RANK_BATCH, ignored)
+            assert trainer.strategy.device_mesh["context_parallel"].size() == cp
+            state = trainer.strategy.full_state_dict()
+            out[(kind, name)] = state
+    return out if is_rank_zero() else None
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+def test_gpt_and_llama_at_context_parallel_2_match_one_process(rank_pool):
+    """Two ranks split each sequence in two: one data-parallel rank, so one process on the same batch; with
+    accumulation and clipping; every strategy."""
+    results = rank_pool(2).run(body_fit, ["gpt", "llama"], ["ddp", "zero1", "zero2", "fsdp"], 2)[0]
+    for kind in ("gpt", "llama"):
+        want = one_process(kind, 1)
+        for name in ("ddp", "zero1", "zero2", "fsdp"):
+            difference = max_relative_difference(results[(kind, name)], want)
+            assert difference <= TOLERANCE, (kind, name, difference)
+
+
+def test_data_parallel_2_x_context_parallel_2_under_every_strategy(rank_pool):
+    """Four ranks: two data-parallel ranks, each sequence split over two; hsdp shards within each data-parallel
+    rank's context-parallel pair and replicates across the pairs."""
+    names = ["ddp", "zero1", "zero2", "fsdp", "hsdp"]
+    results = rank_pool(4).run(body_fit, ["gpt", "llama"], names, 2)[0]
+    for kind in ("gpt", "llama"):
+        want = one_process(kind, 2)
+        for name in names:
+            difference = max_relative_difference(results[(kind, name)], want)
+            assert difference <= TOLERANCE, (kind, name, difference)
+
+
+class SplitLlama(LM):
+    """The Llama example split by its tensor-parallel plan in configure_model."""
+
+    def __init__(self) -> None:
+        super().__init__("llama")
+        self.model = None
+
+    def configure_model(self) -> None:
+        from examples.llama import tensor_parallel
+
+        torch.manual_seed(0)
+        self.model = tensor_parallel(Llama(LLAMA_CONFIG), self.device_mesh["tensor_parallel"])
+
+
+def body_context_and_tensor_parallel() -> dict | None:
+    out = {}
+    for name in ("ddp", "fsdp"):
+        trainer = fit(SplitLlama(), strategy_of(name, "llama", 2, 2), 4, PER_RANK_BATCH)
+        out[name] = trainer.strategy.full_state_dict()
+    return out if is_rank_zero() else None
+
+
+def test_context_parallel_2_x_tensor_parallel_2(rank_pool):
+    """The Llama example's tensor-parallel plan (sequence-parallel norms, column- and row-wise projections) on
+    each half of the sequence: 2 heads and 1 key/value head per tensor-parallel rank, the key/value heads
+    repeated for the all-to-all."""
+    results = rank_pool(4).run(body_context_and_tensor_parallel)[0]
+    want = one_process("llama", 1)
+    for name, got in results.items():
+        assert max_relative_difference(got, want) <= TOLERANCE, name
+
+
+def body_ignored_tokens_and_logged_values() -> dict | None:
+    trainer = fit(LM("gpt"), strategy_of("fsdp", "gpt", 2), 2, PER_RANK_BATCH, ignored=True)
+    logged = float(trainer.callback_metrics["train/loss"])
+    state = trainer.strategy.full_state_dict()
+    validated = trainer.validate(trainer.module, DataLoader(tokens(8, ignored=True), batch_size=PER_RANK_BATCH))
+    return {"state": state, "logged": logged, "val": validated[0]["val/loss"]} if is_rank_zero() else None
+
+
+def test_uneven_ignored_tokens_weigh_the_loss_and_logged_values_count_each_token_once(rank_pool):
+    """Targets -100 spread unevenly (the second half of each sequence has more): each rank's loss is the mean
+    over its own counted tokens, weighed by its share of them, so the step is one process's mean over every counted
+    token; the logged training loss and the validation loss are one process's too."""
+    got = rank_pool(2).run(body_ignored_tokens_and_logged_values)[0]
+    trainer = fit(LM("gpt"), "single", 1, PER_RANK_BATCH, ignored=True)
+    want = trainer.strategy.full_state_dict()
+    assert max_relative_difference(got["state"], want) <= TOLERANCE
+    assert got["logged"] == pytest.approx(float(trainer.callback_metrics["train/loss"]), rel=1e-5)
+    validated = trainer.validate(trainer.module, DataLoader(tokens(8, ignored=True), batch_size=PER_RANK_BATCH))
+    assert got["val"] == pytest.approx(validated[0]["val/loss"], rel=1e-5)
