@@ -446,11 +446,21 @@ class Strategy:
         stack.enter_context(self.context_parallel.active())
         return stack
 
+    def backward_context(self) -> AbstractContextManager:
+        """The context of a backward pass: under context parallel, the forward's attention and positions, for
+        what activation checkpointing recomputes."""
+        return nullcontext() if self.context_parallel is None else self.context_parallel.active()
+
     # ---- context parallel: what a step does with its batch (context_parallel.py) -----------------------------
     def split_sequence(self, batch: Any) -> Any:
         """This rank's part of the batch's sequences under context parallel (the batch itself otherwise).
         Collective over the context-parallel ranks."""
         return batch if self.context_parallel is None else self.context_parallel.split(batch)
+
+    def join_sequence_parts(self, output: Any) -> Any:
+        """A prediction of this rank's part of the sequences, under context parallel made whole again (every
+        tensor whose dimension 1 is a part's length). Collective over the context-parallel ranks."""
+        return output if self.context_parallel is None else self.context_parallel.join(output)
 
     def weigh_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Under context parallel, the loss weighed so that the ranks' losses average to the mean over every

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 METHODS = ("ulysses", "ring")
@@ -73,6 +72,7 @@ class ContextParallel:
         self.size, self.method, self.group, self.device = size, method, group, device
         self.rank = dist.get_rank(group)
         self._share = 1.0  # this rank's counted tokens over the group's mean, for the running step
+        self._part = 0  # the length of this rank's part of the running step's sequences
 
     # ---- the batch ------------------------------------------------------------------------------------
     def split(self, batch: Any) -> Any:
@@ -91,7 +91,7 @@ class ContextParallel:
                 "input; put position_ids (torch.arange(sequence length) for each sequence) in the batch, and "
                 "they are split with it"
             )
-        part = length // self.size
+        part = self._part = length // self.size
 
         def cut(t: Any) -> Any:
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == length:
@@ -101,6 +101,19 @@ class ContextParallel:
         batch = tree_map(cut, batch)
         self._learn_shares(_counted_tokens(batch))
         return batch
+
+    def join(self, output: Any) -> Any:
+        """Whole sequences from every rank's part of them, in `output` (a prediction): each tensor whose
+        dimension 1 is a part's length. Collective over the group."""
+
+        def whole(t: Any) -> Any:
+            if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == self._part):
+                return t
+            parts = [torch.empty_like(t) for _ in range(self.size)]
+            dist.all_gather(parts, t.contiguous(), group=self.group)
+            return torch.cat(parts, dim=1)
+
+        return tree_map(whole, output)
 
     def _learn_shares(self, counted: int | None) -> None:
         if counted is None:
@@ -114,13 +127,17 @@ class ContextParallel:
     # ---- the step ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Attention over the whole sequence and global positions while a step method runs."""
+        """Attention over the whole sequence and global positions while a step method (or its backward, which
+        activation checkpointing recomputes blocks in) runs: `F.scaled_dot_product_attention`, looked up by the
+        model's code when it calls it, is `_attention` meanwhile."""
         previous, _Active.parallel = _Active.parallel, self
+        F.scaled_dot_product_attention = _attention
         try:
-            with _UlyssesAttention(self):
-                yield
+            yield
         finally:
             _Active.parallel = previous
+            if previous is None:
+                F.scaled_dot_product_attention = _SDPA
 
     @property
     def is_active(self) -> bool:
@@ -141,19 +158,16 @@ class ContextParallel:
         return weighed.to(value.dtype) if value.is_floating_point() else weighed
 
 
-class _UlyssesAttention(TorchFunctionMode):
-    """F.scaled_dot_product_attention over the whole sequence, for (batch, heads, part of the sequence, head
-    dim) inputs."""
+_SDPA = F.scaled_dot_product_attention  # torch's own, which the attention below calls
 
-    def __init__(self, parallel: ContextParallel) -> None:
-        super().__init__()
-        self.parallel = parallel
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return ulysses_attention(self.parallel, *args, **kwargs)
-        return func(*args, **kwargs)
+def _attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """F.scaled_dot_product_attention while a context-parallel step runs: over the whole sequence, for inputs of
+    (batch, heads, this rank's part of the sequence, head dim)."""
+    parallel = _Active.parallel
+    if parallel is None:
+        return _SDPA(*args, **kwargs)
+    return ulysses_attention(parallel, *args, **kwargs)
 
 
 def ulysses_attention(
@@ -183,9 +197,7 @@ def ulysses_attention(
         enable_gqa = False
     q, k, v = (_whole_sequence(t, parallel) for t in (query, key, value))
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
-    )
+    out = _SDPA(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return _own_part(out, parallel)
 
 

@@ -79,11 +79,21 @@ def strategy_of(name: str, kind: str, cp: int, tp: int = 1):
     return FSDPStrategy(auto_wrap_policy={block_of(kind)}, **options)
 
 
-def fit(module, strategy, devices: int, batch_size: int, ignored: bool = False, **kwargs) -> Trainer:
+def fit(
+    module,
+    strategy,
+    devices: int,
+    batch_size: int,
+    ignored: bool = False,
+    steps: int = STEPS,
+    ckpt_path=None,
+    data: TensorDataset | None = None,
+    **kwargs,
+) -> Trainer:
     trainer = Trainer(
         strategy=strategy,
         devices=devices,
-        max_steps=STEPS,
+        max_steps=steps,
         max_epochs=1,
         accumulate_grad_batches=2,
         gradient_clip_val=0.5,
@@ -93,7 +103,8 @@ def fit(module, strategy, devices: int, batch_size: int, ignored: bool = False, 
         enable_model_summary=False,
         **kwargs,
     )
-    trainer.fit(module, DataLoader(tokens(ignored=ignored), batch_size=batch_size))
+    data = tokens(ignored=ignored) if data is None else data
+    trainer.fit(module, DataLoader(data, batch_size=batch_size), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -197,3 +208,121 @@ def test_uneven_ignored_tokens_weigh_the_loss_and_logged_values_count_each_token
     assert got["logged"] == pytest.approx(float(trainer.callback_metrics["train/loss"]), rel=1e-5)
     validated = trainer.validate(trainer.module, DataLoader(tokens(8, ignored=True), batch_size=PER_RANK_BATCH))
     assert got["val"] == pytest.approx(validated[0]["val/loss"], rel=1e-5)
+
+
+class Predicting(LM):
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self.model(x)
+
+
+def body_checkpoint(path: str, cp: int, saving: bool) -> dict | None:
+    """Under fsdp at context parallel `cp` on every rank, one sequence of the global batch per micro-batch: train 2
+    of 3 steps and save, or resume for the third step and predict (whole sequences, every sample once)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    strategy = strategy_of("fsdp", "llama", cp) if world > 1 else "single"
+    batch_size = PER_RANK_BATCH * cp // world  # the global batch stays 2 sequences
+    if saving:
+        fit(Predicting("llama"), strategy, world, batch_size, steps=2).save_checkpoint(path)
+        return None
+    trainer = fit(Predicting("llama"), strategy, world, batch_size, ckpt_path=path)
+    state = trainer.strategy.full_state_dict()
+    predictions = trainer.predict(trainer.module, DataLoader(tokens(8), batch_size=2 * cp // world))
+    return {"state": state, "predictions": torch.cat(predictions)} if not world > 1 or is_rank_zero() else None
+
+
+def test_a_checkpoint_resumes_at_another_context_parallel_size(rank_pool, tmp_path):
+    """The sequence split is not part of the model state: saved at cp 2, resumed at cp 1 (one process) and at cp 4;
+    saved at cp 1, resumed at cp 2; each ends with one process's weights and predicts its logits (whole
+    sequences, predict_step running under context parallel)."""
+    want = one_process("llama", 1)
+    reference = body_checkpoint(str(tmp_path / "cp1"), 1, saving=True) or body_checkpoint(
+        str(tmp_path / "cp1"), 1, saving=False
+    )
+    assert max_relative_difference(reference["state"], want) <= TOLERANCE
+    assert reference["predictions"].shape == (8, SEQ, VOCAB)
+    cp2 = str(tmp_path / "cp2")
+    rank_pool(2).run(body_checkpoint, cp2, 2, True)
+    for got in (
+        body_checkpoint(cp2, 1, saving=False),
+        rank_pool(4).run(body_checkpoint, cp2, 4, False)[0],
+        rank_pool(2).run(body_checkpoint, str(tmp_path / "cp1"), 2, False)[0],
+    ):
+        assert max_relative_difference(got["state"], want) <= TOLERANCE
+        assert torch.allclose(got["predictions"], reference["predictions"], rtol=1e-3, atol=1e-4)
+
+
+def body_checkpointing_and_bf16() -> dict | None:
+    out = {}
+    for precision in ("32", "bf16-mixed"):
+        strategy = FSDPStrategy(
+            auto_wrap_policy={LlamaBlock}, activation_checkpointing={LlamaBlock}, context_parallel_size=2
+        )
+        trainer = fit(LM("llama"), strategy, 2, PER_RANK_BATCH, precision=precision)
+        out[precision] = trainer.strategy.full_state_dict()
+    return out if is_rank_zero() else None
+
+
+def test_activation_checkpointing_and_bf16_mixed_under_context_parallel(rank_pool):
+    """Recomputed blocks redo their all-to-alls in backward (the attention of the forward is on then too); under
+    bf16-mixed the all-to-alls carry bf16."""
+    results = rank_pool(2).run(body_checkpointing_and_bf16)[0]
+    fp32 = one_process("llama", 1)
+    assert max_relative_difference(results["32"], fp32) <= TOLERANCE
+    bf16 = fit(LM("llama"), "single", 1, PER_RANK_BATCH, precision="bf16-mixed").strategy.full_state_dict()
+    assert max_relative_difference(bf16, fp32) > 1e-3  # bf16 really was used
+    # AdamW turns bf16's rounding into differences of 1e-1 on this tiny model's smallest weights (one process's
+    # bf16-mixed run against its fp32 run): context parallel's stays as close to fp32, and closer to bf16's run
+    rounding = max_relative_difference(bf16, fp32)
+    assert max_relative_difference(results["bf16-mixed"], fp32) <= 1.5 * rounding
+    assert max_relative_difference(results["bf16-mixed"], bf16) <= rounding
+
+
+def body_bad_input(case: str) -> str:
+    with pytest.raises(ValueError) as error:
+        if case == "sequence":
+            fit(LM("gpt"), DDPStrategy(context_parallel_size=2), 2, PER_RANK_BATCH, data=uneven_tokens())
+        elif case == "heads":
+            config = dataclasses.replace(GPT_CONFIG, n_head=1, n_embd=8)
+
+            class OneHead(LM):
+                def __init__(self):
+                    super().__init__("gpt")
+                    torch.manual_seed(0)
+                    self.model = GPT(config)
+
+            fit(OneHead(), DDPStrategy(context_parallel_size=2), 2, PER_RANK_BATCH)
+        elif case == "ring":
+            fit(LM("gpt"), DDPStrategy(context_parallel_size=2, context_parallel_method="ring"), 2, PER_RANK_BATCH)
+        elif case == "no sequence":
+            fit(LM("gpt"), DDPStrategy(context_parallel_size=2), 2, PER_RANK_BATCH, data=flat_tokens())
+    return str(error.value)
+
+
+def uneven_tokens() -> TensorDataset:
+    return TensorDataset(torch.randint(0, VOCAB, (8, SEQ - 1)), torch.randint(0, VOCAB, (8, SEQ - 1)))
+
+
+def flat_tokens() -> TensorDataset:
+    return TensorDataset(torch.randint(0, VOCAB, (8,)), torch.randint(0, VOCAB, (8,)))
+
+
+def test_bad_context_parallel_input_names_the_argument(rank_pool):
+    assert "context_parallel_size=3 (3) does not divide the 2 ranks" in rank_pool(2).run(body_size_error)[0]
+    with pytest.raises(ValueError, match="context_parallel_size=0; choose a positive int"):
+        DDPStrategy(context_parallel_size=0)
+    with pytest.raises(ValueError, match="context_parallel_method='rings'; choose one of"):
+        FSDPStrategy(context_parallel_size=2, context_parallel_method="rings")
+    messages = {
+        case: rank_pool(2).run(body_bad_input, case)[0] for case in ("sequence", "heads", "ring", "no sequence")
+    }
+    assert "have 15 tokens, which do not split into 2 equal parts" in messages["sequence"]
+    assert "attention has 1 heads on this rank, which do not split over 2 ranks" in messages["heads"]
+    assert "on cpu use context_parallel_method='ulysses'" in messages["ring"]
+    assert "no tensor in the batch has a sequence dimension" in messages["no sequence"]
+
+
+def body_size_error() -> str:
+    with pytest.raises(ValueError) as error:
+        fit(LM("gpt"), DDPStrategy(context_parallel_size=3), 2, PER_RANK_BATCH)
+    return str(error.value)

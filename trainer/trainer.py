@@ -593,7 +593,8 @@ class Trainer:
         with self.timer.phase("backward"):
             scaled = self.precision.scale_loss(loss)
             self._call("on_before_backward", scaled)
-            self.module.backward(scaled)  # Lightning's hook (loss.backward() unless the module overrides it)
+            with self.strategy.backward_context():  # (context parallel: recomputed blocks attend as in forward)
+                self.module.backward(scaled)  # Lightning's hook (loss.backward() unless the module overrides it)
             self._call("on_after_backward")
 
     def clip_gradients(

@@ -89,6 +89,7 @@ def predict(trainer: Trainer, loader: Any) -> list[Any] | None:
         batch = to_step(t, batch)
         with t.precision.autocast(), strategy.forward_context():
             prediction = module.predict_step(batch, batch_idx)
+        prediction = strategy.join_sequence_parts(prediction)  # (whole sequences under context parallel)
         predictions.append(prediction)
         t._call("on_predict_batch_end", prediction, batch, batch_idx)
 
@@ -97,5 +98,5 @@ def predict(trainer: Trainer, loader: Any) -> list[Any] | None:
     t._call("on_predict_end")
     if not strategy.distributed:
         return predictions
-    by_rank = strategy.all_gather_object(predictions)
-    return [prediction for ranks in by_rank for prediction in ranks] if t.is_global_zero else None
+    by_rank = strategy.all_gather_object(predictions)[:: strategy.ranks_per_data_parallel_rank]  # (a tp/cp group's
+    return [prediction for ranks in by_rank for prediction in ranks] if t.is_global_zero else None  # are alike)
