@@ -326,3 +326,68 @@ def body_size_error() -> str:
     with pytest.raises(ValueError) as error:
         fit(LM("gpt"), DDPStrategy(context_parallel_size=3), 2, PER_RANK_BATCH)
     return str(error.value)
+
+
+class HFLlama(TrainModule):
+    """A HuggingFace Llama as it comes (attn_implementation="sdpa"), on dict batches with position_ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            attn_implementation="sdpa",
+        )
+        self.model = LlamaForCausalLM(config)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6)
+
+
+def hf_batches(batch_size: int) -> DataLoader:
+    """The same token windows as dicts, the labels already shifted (HuggingFace's own shift would cut across
+    the parts of a sequence), with position_ids."""
+    x, y = tokens().tensors
+    rows = [{"input_ids": a, "labels": b, "position_ids": torch.arange(SEQ)} for a, b in zip(x, y)]
+    return DataLoader(rows, batch_size=batch_size)
+
+
+def fit_hf(strategy, devices: int, batch_size: int) -> dict[str, torch.Tensor]:
+    trainer = Trainer(
+        strategy=strategy,
+        devices=devices,
+        max_steps=STEPS,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(HFLlama(), hf_batches(batch_size))
+    return trainer.strategy.full_state_dict()
+
+
+def body_hf() -> dict | None:
+    state = fit_hf(FSDPStrategy(context_parallel_size=2), 2, PER_RANK_BATCH)
+    return state if is_rank_zero() else None
+
+
+def test_a_huggingface_llama_at_context_parallel_2(rank_pool):
+    """transformers' LlamaForCausalLM with its SDPA attention, the rotary positions from the batch's position_ids
+    (split with the sequence), under fsdp at cp 2: one process's weights."""
+    want = fit_hf("single", 1, PER_RANK_BATCH)
+    got = rank_pool(2).run(body_hf)[0]
+    assert max_relative_difference(got, want) <= TOLERANCE
