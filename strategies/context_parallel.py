@@ -242,3 +242,33 @@ def _counted_tokens(batch: Any) -> int | None:
     if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.dim() < 2:
         return None
     return int((targets != IGNORE_INDEX).sum())
+
+
+# ---- for the memory plan and the forecast (strategies/plan/) --------------------------------------------------
+@contextlib.contextmanager
+def planned_attention(size: int, exchanged: list[int] | None = None) -> Iterator[None]:
+    """Attention as a rank of `size` computes it under "ulysses", for a plan's fake step of one rank's part of the
+    sequence (no communication): all of the sequence for 1/size of the heads, with the buffers each exchange
+    sends and receives; the bytes each exchange sends go in `exchanged` (four per attention in forward, and as
+    many in backward)."""
+
+    def exchange(t: torch.Tensor, heads: int, length: int) -> torch.Tensor:
+        sent = t.contiguous()
+        if exchanged is not None:
+            exchanged.append(sent.numel() * sent.element_size())
+        received = sent.clone()  # (the receive buffer; the layout's order does not change a shape's cost)
+        return received.reshape(t.shape[0], heads, length, t.shape[-1])
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any):
+        b, h, s, d = query.shape
+        if key.shape[-3] % size:
+            key, value = (t.repeat_interleave(h // t.shape[-3], dim=-3) for t in (key, value))
+            kwargs["enable_gqa"] = False
+        q, k, v = (exchange(t, t.shape[-3] // size, s * size) for t in (query, key, value))
+        return exchange(_SDPA(q, k, v, *args, **kwargs), h, s)
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA

@@ -391,3 +391,50 @@ def test_a_huggingface_llama_at_context_parallel_2(rank_pool):
     want = fit_hf("single", 1, PER_RANK_BATCH)
     got = rank_pool(2).run(body_hf)[0]
     assert max_relative_difference(got, want) <= TOLERANCE
+
+
+def test_the_plan_splits_activations_and_adds_the_all_to_alls():
+    """plan_memory(context_parallel=C): one rank's part of each sequence (activations and compute / C), the model
+    state sharded over data-parallel x context-parallel ranks, and the all-to-alls of attention in the forecast."""
+    from examples.llama import LlamaConfig
+    from strategies.plan import plan_memory
+
+    config = LlamaConfig(vocab_size=512, dim=128, n_layers=2, n_heads=8, n_kv_heads=4, hidden_dim=352, max_seq_len=4096)
+    with torch.device("meta"):
+        model = Llama(config)
+    plans = {
+        cp: plan_memory(model, world_size=4, batch_size=1, seq_len=4096, context_parallel=cp, hardware="cpu")
+        for cp in (1, 2, 4)
+    }
+    for cp in (2, 4):
+        assert plans[cp].activations == pytest.approx(plans[1].activations / cp, rel=0.05)
+        assert plans[cp].strategies["fsdp"].model_state == plans[1].strategies["fsdp"].model_state
+        assert plans[cp].forecasts["fsdp"].comm_s > plans[1].forecasts["fsdp"].comm_s
+        assert plans[cp].forecasts["fsdp"].compute_s == pytest.approx(
+            plans[1].forecasts["fsdp"].compute_s / cp, rel=0.1
+        )
+    with pytest.raises(ValueError, match="seq_len=4095 does not split into context_parallel=2"):
+        plan_memory(model, world_size=2, seq_len=4095, context_parallel=2)
+    with pytest.raises(ValueError, match="tensor_parallel=1 x context_parallel=3 does not divide world_size=4"):
+        plan_memory(model, world_size=4, seq_len=4096, context_parallel=3)
+
+
+def body_auto_context_parallel() -> tuple[int, str, int]:
+    """strategy="auto" with a budget that one sequence fits only when split in two."""
+    loader = DataLoader(tokens(8), batch_size=2)
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    whole = Trainer(strategy="auto", devices=2, **quiet).plan(LM("llama"), train_dataloaders=loader)
+    split = Trainer(strategy=DDPStrategy(context_parallel_size=2), devices=2, **quiet).plan(
+        LM("llama"), train_dataloaders=loader
+    )
+    budget = (min(r.total for r in whole.strategies.values()) + min(r.total for r in split.strategies.values())) // 2
+    trainer = Trainer(strategy="auto", devices=2, max_steps=1, max_memory_per_rank=budget, **quiet)
+    trainer.fit(LM("llama"), loader)
+    return trainer.strategy.context_parallel_size, trainer.strategy.name, budget
+
+
+def test_auto_strategy_splits_a_sequence_that_fits_no_rank_whole(rank_pool):
+    """When no strategy fits a rank, with or without tensor parallel, strategy="auto" tries context-parallel
+    sizes: here 2, with the least-communicating strategy that then fits."""
+    (cp, name, budget), _ = rank_pool(2).run(body_auto_context_parallel)
+    assert cp == 2, (cp, name, budget)

@@ -51,6 +51,7 @@ def make_plan(
     hardware: Any = None,
     tensor_parallel_plan: Any = None,
     tensor_parallel: int | None = None,
+    context_parallel: int | None = None,
 ) -> MemoryPlan:
     """The plan at the Trainer's world size and precision, with the options its strategy gives the plan. The batch
     is the module's example_input, else shaped like the train DataLoader's samples. `forecast` adds each
@@ -77,6 +78,7 @@ def make_plan(
             hardware=hardware,
             tensor_parallel=tensor_parallel or trainer.strategy.tensor_parallel_size,
             tensor_parallel_plan=tensor_parallel_plan if tensor_parallel_plan is not None else _module_plan(module),
+            context_parallel=context_parallel or trainer.strategy.context_parallel_size,
             **options,
         )
 
@@ -121,23 +123,28 @@ def choose_strategy(trainer: Trainer, module: Any, train_dataloaders: Any) -> St
         budget = int(free * AUTO_MARGIN)
         why = f"{AUTO_MARGIN:.0%} of the {format_bytes(free)} free on the fullest GPU"
     plan = make_plan(trainer, module, train_dataloaders=train_dataloaders, forecast=False)
-    tensor_parallel = 1
+    tensor_parallel = context_parallel = 1
     try:
         name = plan.choose(budget)
     except ValueError as error:
         split = _with_tensor_parallel(trainer, module, train_dataloaders, budget)
-        if split is None:
+        if split is not None:
+            tensor_parallel, plan, name = split
+        elif (split := _with_context_parallel(trainer, module, train_dataloaders, budget)) is not None:
+            context_parallel, plan, name = split
+        else:
             raise ValueError(f"strategy='auto' with {why}: {error} (see trainer.plan(module))") from None
-        tensor_parallel, plan, name = split
     explanation = plan.explain(name, budget)
     if trainer.world_size == 1:  # every strategy does one process's work on one rank: no engine needed
         name, explanation = "single", f"single: one rank, and its plan fits {format_bytes(budget)} ({explanation})"
     if tensor_parallel > 1:
         explanation += f", with tensor_parallel_size={tensor_parallel} (nothing fits without)"
+    if context_parallel > 1:
+        explanation += f", with context_parallel_size={context_parallel} (the sequence fits no rank whole)"
     if trainer.is_global_zero:
         print(f"strategy='auto' ({why}) chose {explanation}", flush=True)
     strategy = get_strategy(name)
-    strategy.tensor_parallel_size = tensor_parallel
+    strategy.tensor_parallel_size, strategy.context_parallel_size = tensor_parallel, context_parallel
     return strategy
 
 
@@ -154,6 +161,27 @@ def _with_tensor_parallel(
         if per_node % size == 0:
             plan = make_plan(trainer, module, train_dataloaders=train_dataloaders, forecast=False, tensor_parallel=size)
             fitting = plan.fitting(budget)
+            if fitting:
+                return size, plan, fitting[0]
+        size *= 2
+    return None
+
+
+def _with_context_parallel(
+    trainer: Trainer, module: Any, train_dataloaders: Any, budget: int
+) -> tuple[int, MemoryPlan, str] | None:
+    """When no strategy fits even with tensor parallel: the smallest context-parallel size (2, 4, 8, ... dividing the
+    ranks and the sequence) at which one does, with that plan and strategy; else None."""
+    size = 2
+    while size <= trainer.world_size:
+        if trainer.world_size % size == 0:
+            try:
+                plan = make_plan(
+                    trainer, module, train_dataloaders=train_dataloaders, forecast=False, context_parallel=size
+                )
+            except ValueError:  # a sequence that does not split so
+                plan = None
+            fitting = plan.fitting(budget) if plan is not None else []
             if fitting:
                 return size, plan, fitting[0]
         size *= 2

@@ -51,6 +51,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         "over world-size / N data-parallel ranks); default 1",
     )
     p.add_argument(
+        "--context-parallel",
+        type=int,
+        default=1,
+        metavar="C",
+        help="split each sequence over C ranks that read the same samples (Ulysses); --seq-len is the whole "
+        "sequence's; default 1",
+    )
+    p.add_argument(
         "--tensor-parallel-plan",
         metavar="MODULE:FUNCTION",
         help="with --tensor-parallel: a function of the model returning its plan, {module path: ParallelStyle}, "
@@ -222,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
             hardware=hardware,
             checkpoint_mode=args.ac_mode,
             tensor_parallel=args.tensor_parallel,
+            context_parallel=args.context_parallel,
             tensor_parallel_plan=plan_function,
         )
     except ValueError as error:

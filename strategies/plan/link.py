@@ -12,7 +12,7 @@ import math
 
 from .hardware import Link
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # an all-to-all moves as an all-gather does
 
 
 def collective_seconds(kind: str, nbytes: int, ranks: int, link: Link) -> float:

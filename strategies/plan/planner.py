@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map
 
+from ..context_parallel import planned_attention
 from ..registry import STRATEGIES
 from ..sharding.unit import gradient_buckets
 from ..wrap import resolve_wrap_policy
@@ -87,8 +90,16 @@ def _planning_copy(
     return meta, split_for_one_rank(meta, resolve_plan(meta, tp.plan), tp.size)
 
 
-def _check(world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str, tp: int) -> None:
-    checked = (("world_size", world_size), ("nodes", nodes), ("batch_size", batch_size), ("tensor_parallel", tp))
+def _check(
+    world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str, tp: int, cp: int = 1
+) -> None:
+    checked = (
+        ("world_size", world_size),
+        ("nodes", nodes),
+        ("batch_size", batch_size),
+        ("tensor_parallel", tp),
+        ("context_parallel", cp),
+    )
     for name, value in checked:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} is not valid; use a positive int")
@@ -99,8 +110,15 @@ def _check(world_size: int, nodes: int, batch_size: int, seq_len: int | None, pr
             f"tensor_parallel={tp} does not divide world_size={world_size}: the ranks are groups of {tp} "
             "tensor-parallel ranks"
         )
+    if world_size % (tp * cp):
+        raise ValueError(
+            f"tensor_parallel={tp} x context_parallel={cp} does not divide world_size={world_size}: the ranks are "
+            f"groups of {tp * cp} that train one batch together"
+        )
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len={seq_len!r} is not valid; use a positive int or None")
+    if cp > 1 and seq_len is not None and seq_len % cp:
+        raise ValueError(f"seq_len={seq_len} does not split into context_parallel={cp} equal parts")
     if precision not in AUTOCAST:
         raise ValueError(f"precision={precision!r} is not supported; choose one of {list(AUTOCAST)}")
 
@@ -155,6 +173,7 @@ def plan_memory(
     forecast: bool = True,
     tensor_parallel: int = 1,
     tensor_parallel_plan: Any = None,
+    context_parallel: int = 1,
 ) -> MemoryPlan:
     """Bytes per rank for every strategy. `model` (an nn.Module or TrainModule, best built on the meta device) is
     not changed. `batch_size` and `seq_len` are per rank (seq_len defaults to the model config's); `param_dtype`
@@ -175,16 +194,22 @@ def plan_memory(
     `tensor_parallel` > 1 splits each group of that many consecutive ranks by `tensor_parallel_plan` (what torch's
     parallelize_module takes, or a function of the model returning it) and the strategies shard over the
     world_size / tensor_parallel data-parallel ranks: memory, activations and compute are one tensor-parallel
-    rank's, and the forecast adds the tensor-parallel collectives (tensor_parallel.py)."""
-    _check(world_size, nodes, batch_size, seq_len, precision, tensor_parallel)
+    rank's, and the forecast adds the tensor-parallel collectives (tensor_parallel.py).
+
+    `context_parallel` > 1 splits each sequence (`seq_len`, the whole sequence's) over that many ranks, which read
+    the same samples ("ulysses", strategies/context_parallel.py): activations and compute are one rank's part of
+    the sequence, attention all of it for 1/C of the heads with the buffers its all-to-alls hold, the model state
+    is sharded over the data-parallel x context-parallel ranks, and the forecast adds the all-to-alls."""
+    _check(world_size, nodes, batch_size, seq_len, precision, tensor_parallel, context_parallel)
     if checkpoint_mode not in AC_MODES:
         raise ValueError(f"checkpoint_mode={checkpoint_mode!r} is not valid; choose one of {list(AC_MODES)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not valid; choose one of {list(SCHEDULES)}")
     hardware = get_hardware(hardware) if hardware is not None else default_hardware()
     tp = _tensor_parallel(model, tensor_parallel, tensor_parallel_plan)
-    data_ranks = world_size // tp.size
-    per_node = data_ranks // nodes  # data-parallel ranks on one node: hsdp shards over them by default
+    cp = context_parallel
+    data_ranks = world_size // tp.size  # the ranks that shard the model state: data-parallel x context-parallel
+    per_node = data_ranks // nodes  # of them on one node: hsdp shards over them by default
     group = hybrid_shard if hybrid_shard is not None else (per_node if nodes > 1 and per_node > 1 else None)
     if group is not None and (not isinstance(group, int) or group < 1 or data_ranks % group):
         raise ValueError(f"hybrid_shard={group!r} must divide the {data_ranks} data-parallel ranks")
@@ -194,6 +219,9 @@ def plan_memory(
     optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
     check_optimizer(optimizer)
     seq_len = seq_len if seq_len is not None else default_seq_len(meta)
+    if cp > 1:
+        seq_len, sample = _one_part(seq_len, sample, cp)
+    part = seq_len // cp if seq_len is not None else None  # one rank's part of each sequence
     strategies = {name: STRATEGIES[name]() for name in STRATEGY_ORDER}  # least communication first
     # a hybrid strategy (hsdp) shards within a group of G ranks and replicates across the groups
     hybrid = {name for name, s in strategies.items() if getattr(s, "hybrid_shard", None) is not None}
@@ -201,16 +229,17 @@ def plan_memory(
         name: group if name in hybrid else data_ranks for name in strategies if group is not None or name not in hybrid
     }
     checkpointed = resolve_wrap_policy(activation_checkpointing)
-    step = step_activations(
-        _planning_copy(model, precision, tp)[0],
-        batch_size,
-        seq_len,
-        precision,
-        param_dtype,
-        checkpointed,
-        sample,
-        selective=checkpoint_mode == "selective",
-    )
+    with planned_attention(cp) if cp > 1 else nullcontext():
+        step = step_activations(
+            _planning_copy(model, precision, tp)[0],
+            batch_size,
+            part,
+            precision,
+            param_dtype,
+            checkpointed,
+            sample,
+            selective=checkpoint_mode == "selective",
+        )
     rows = {
         name: model_state_bytes(
             meta,
@@ -248,16 +277,20 @@ def plan_memory(
             sample,
             schedule,
             tp,
+            cp,
         )
     )
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
     split = f" ({tp.size} tensor-parallel x {data_ranks} data-parallel)" if tp.size > 1 else ""
+    if cp > 1:
+        split = f" ({tp.size} tensor-parallel x {cp} context-parallel x {data_ranks // cp} data-parallel)"
     description = [
         f"memory plan of {type(model).__name__} ({params / 1e6:,.1f}M parameters{' per rank' * (tp.size > 1)}) on "
         f"{world_size} rank(s){split}, {nodes} node(s); per rank: batch {batch_size}"
         + (f" x {seq_len}" if seq_len else "")
+        + (f" (each rank {part} of it)" if cp > 1 else "")
         + f", precision {precision}{cast}, optimizer {optimizer}",
         "fsdp units: "
         + ("by the wrap policy" if wrap_policy is not None else "the whole model is one unit")
@@ -302,20 +335,31 @@ def _forecasts(
     sample: Any,
     schedule: str,
     tp: TensorParallel,
+    cp: int = 1,
 ) -> dict[str, StepForecast]:
-    """Each strategy's step on `hardware`, from one timed fake step of a fresh meta copy of the model."""
+    """Each strategy's step on `hardware`, from one timed fake step of a fresh meta copy of the model (under
+    context parallel, of one rank's part of the sequence, with its attention's all-to-alls)."""
     timed, collectives = _planning_copy(model, precision, tp)
-    cost = compute_cost(
-        timed, hardware, batch_size, seq_len, precision, param_dtype, checkpointed, checkpoint_mode, sample
-    )
+    exchanged: list[int] = []
+    with planned_attention(cp, exchanged) if cp > 1 else nullcontext():
+        part = seq_len // cp if seq_len is not None else None
+        cost = compute_cost(
+            timed, hardware, batch_size, part, precision, param_dtype, checkpointed, checkpoint_mode, sample
+        )
     ranks_per_node = world_size // nodes
     tp_link = hardware.intra_node if tp.size <= ranks_per_node else hardware.inter_node
     cost_with_tp, tp_seconds = with_collectives(cost, collectives, tp_link, hardware.tensor_parallel_slowdown)
+    if cp > 1:  # each all-to-all of forward has its twin in backward
+        cp_link = hardware.intra_node if tp.size * cp <= ranks_per_node else hardware.inter_node
+        exchanges = TensorParallelCollectives(cp, [("all_to_all", n) for n in exchanged])
+        exchanges.backward = list(exchanges.forward)
+        cost_with_tp, cp_seconds = with_collectives(cost_with_tp, exchanges, cp_link)
+        tp_seconds += cp_seconds
     owners = [[name.rpartition(".")[0] for name, _ in bucket] for bucket in gradient_buckets(meta)]
     if param_dtype is not None and param_dtype == next(meta.parameters()).dtype:
         param_dtype = None
     reduce = reduce_dtype or param_dtype
-    tokens = batch_size * (seq_len or 1) / tp.size  # a tensor-parallel group trains one batch together
+    tokens = batch_size * (seq_len or 1) / (tp.size * cp)  # a tp x cp group trains one batch together
     forecasts = {}
     for name, ranks in shard_over.items():
         spec = strategies[name].spec
@@ -339,6 +383,21 @@ def _forecasts(
             exposed_comm_s=max(0.0, step.step_s - cost.total - step.optimizer_s),
         )
     return forecasts
+
+
+def _one_part(seq_len: int | None, sample: Any, cp: int) -> tuple[int, Any]:
+    """Under context parallel: the whole sequence's length (the sample's, if one is given: its first tensor's
+    dimension 0) and the sample cut to one rank's part, as the Trainer cuts batches (strategies/context_parallel.py)."""
+    leaves = [t for t in tree_flatten(sample)[0] if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    seq_len = leaves[0].shape[0] if leaves else seq_len
+    if seq_len is None or seq_len % cp:
+        raise ValueError(f"context_parallel={cp} needs sequences that split into {cp} equal parts, got {seq_len}")
+    if leaves:
+        part = seq_len // cp
+        sample = tree_map(
+            lambda t: t[:part] if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == seq_len else t, sample
+        )
+    return seq_len, sample
 
 
 def _tensor_parallel(model: nn.Module, size: int, plan: Any) -> TensorParallel:
