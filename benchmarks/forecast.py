@@ -5,6 +5,8 @@
     python -m benchmarks.forecast --only tp      # the same for fsdp x tensor parallel 2 at 4 and 8 ranks
     python -m benchmarks.forecast --only paper   # Llama 3.1 8B against torchtitan's published H100 table
     python -m benchmarks.forecast --only tp-paper  # Llama 3.1 70B at tp 1-8, and torchtitan's FSDP 32 x TP 8 run
+    python -m benchmarks.forecast --only cp      # context parallel 4 on 4 gloo ranks: calibrate, forecast, measure
+    python -m benchmarks.forecast --only cp-paper  # Llama 3.1 8B at 32K-512K tokens on 8 and 32 H100, cp 1-8
 
 cpu: `--measure` calibrates a profile on this machine (one step of the 30m GPT with one thread, a gloo sweep over
 2 ranks), the plan forecasts ddp, zero2 and fsdp on 2 ranks for benchmarks/compare.py's 30m preset (batch 2 x 128
@@ -252,6 +254,71 @@ def tensor_parallel_paper_check() -> None:
             )
 
 
+def context_parallel_check(seq: int = 8192, ranks: int = 4) -> None:
+    """Context parallel on this machine: calibrate a profile for `ranks` gloo ranks (--measure), forecast the Llama
+    of benchmarks/context_parallel.py at cp `ranks` on one sequence of `seq` tokens, measure its median step
+    there, and compare."""
+    from benchmarks.context_parallel import config, trial
+    from examples.llama import Block, Llama
+
+    with torch.device("meta"):
+        model = Llama(config(seq))
+    args = SimpleNamespace(world_size=ranks, nodes=1, batch_size=1, seq_len=seq // ranks, save_hardware=None)
+    profile = measure_hardware(model, args, HARDWARE["cpu"])
+    plan = plan_memory(
+        model, world_size=ranks, seq_len=seq, context_parallel=ranks, wrap_policy={Block}, hardware=profile
+    )
+    times = trial(ranks, seq, 4)["times"][1:]
+    measured = sorted(times)[len(times) // 2]
+    f = plan.forecasts["fsdp"]
+    print("\n| run | forecast step (s) | of which comm (s) | measured median step (s) | forecast / measured |")
+    print("|---|---:|---:|---:|---:|")
+    print(
+        f"| cp {ranks}, {seq} tokens | {f.step_s:.3f} | {f.comm_s:.3f} | {measured:.3f} | {f.step_s / measured:.2f} |"
+    )
+
+
+def context_parallel_paper_check() -> None:
+    """Llama 3.1 8B on 8 and 32 H100 (nodes of 8) at 32K, 128K and 512K tokens, cp 1 to 8, fsdp per Block over the
+    data-parallel x context-parallel ranks, one sequence per data-parallel rank, bf16 parameters, fp32 reduce, full
+    activation checkpointing: memory per GPU and the step."""
+    from examples.llama import Block, llama3_8b
+
+    hardware = with_changes(HARDWARE["h100"], name="h100 (HBM2e 2.4 TB/s)", memory_bandwidth=0.8 * 2.4e12)
+    with torch.device("meta"):
+        model = llama3_8b()
+    print(
+        "\n| GPUs | sequence (tokens) | cp | planned memory per GPU | step (s) | tokens/s per GPU | MFU | "
+        "of which all-to-all and exposed comm (s) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for gpus in (8, 32):
+        for seq in (32768, 131072, 524288):
+            for cp in (1, 2, 4, 8):
+                plan = plan_memory(
+                    model,
+                    world_size=gpus,
+                    nodes=max(1, gpus // 8),
+                    batch_size=1,
+                    seq_len=seq,
+                    precision="bf16-mixed",
+                    param_dtype=torch.bfloat16,
+                    reduce_dtype=torch.float32,
+                    wrap_policy={Block},
+                    activation_checkpointing={Block},
+                    hardware=hardware,
+                    device_memory="96GB",
+                    context_parallel=cp,
+                )
+                f, row = plan.forecasts["fsdp"], plan.strategies["fsdp"]
+                fits = "" if row.total <= 96e9 else " (does not fit)"
+                print(
+                    f"| {gpus} | {seq:,} | {cp} | {row.total / 2**30:.1f} GiB{fits} | {f.step_s:.2f} | "
+                    f"{f.tokens_per_s_per_rank:,.0f} | {f.mfu:.1%} | {f.exposed_comm_s:.2f} |",
+                    flush=True,
+                )
+
+
 class OneLayer(torch.nn.Module):
     """One Llama 3.1 8B decoder layer on a batch of hidden states: what the paper check's compute rests on."""
 
@@ -319,7 +386,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        choices=["cpu", "tp", "paper", "tp-paper", "layer"],
+        choices=["cpu", "tp", "cp", "paper", "tp-paper", "cp-paper", "layer"],
         help="layer: on a GPU, one 8B decoder layer measured against its forecast (not run by default)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="compare.py's rounds for the measured steps")
@@ -337,6 +404,10 @@ def main() -> None:
         paper_check()
     if args.only in (None, "tp-paper"):
         tensor_parallel_paper_check()
+    if args.only in (None, "cp"):
+        context_parallel_check()
+    if args.only in (None, "cp-paper"):
+        context_parallel_paper_check()
     if args.only == "layer":
         layer_check()
 
