@@ -25,6 +25,7 @@ fully_shard schedule (what torchtitan ran) and this engine's are forecast; then 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -282,11 +283,11 @@ def context_parallel_paper_check() -> None:
     """Llama 3.1 8B on 8 and 32 H100 (nodes of 8) at 32K, 128K and 512K tokens, cp 1 to 8, fsdp per Block over the
     data-parallel x context-parallel ranks, one sequence per data-parallel rank, bf16 parameters, fp32 reduce, full
     activation checkpointing: memory per GPU and the step."""
-    from examples.llama import Block, llama3_8b
+    from examples.llama import LLAMA_PRESETS, Block, Llama
 
     hardware = with_changes(HARDWARE["h100"], name="h100 (HBM2e 2.4 TB/s)", memory_bandwidth=0.8 * 2.4e12)
-    with torch.device("meta"):
-        model = llama3_8b()
+    with torch.device("meta"):  # (max_seq_len: the longest sequence; Llama 3.1's rotary tables are computed)
+        model = Llama(dataclasses.replace(LLAMA_PRESETS["3.1-8b"], max_seq_len=524288))
     print(
         "\n| GPUs | sequence (tokens) | cp | planned memory per GPU | step (s) | tokens/s per GPU | MFU | "
         "of which all-to-all and exposed comm (s) |"
