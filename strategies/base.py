@@ -452,10 +452,11 @@ class Strategy:
         return nullcontext() if self.context_parallel is None else self.context_parallel.active()
 
     # ---- context parallel: what a step does with its batch (context_parallel.py) -----------------------------
-    def split_sequence(self, batch: Any) -> Any:
-        """This rank's part of the batch's sequences under context parallel (the batch itself otherwise).
-        Collective over the context-parallel ranks."""
-        return batch if self.context_parallel is None else self.context_parallel.split(batch)
+    def split_sequence(self, batch: Any, dims: Any = None) -> Any:
+        """This rank's part of the batch's sequences under context parallel (the batch itself otherwise); `dims`:
+        the sequence dimension of each tensor (TrainModule.sequence_dims), None for the default rule. Collective
+        over the context-parallel ranks."""
+        return batch if self.context_parallel is None else self.context_parallel.split(batch, dims)
 
     def join_sequence_parts(self, output: Any) -> Any:
         """A prediction of this rank's part of the sequences, under context parallel made whole again (every

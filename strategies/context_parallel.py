@@ -75,8 +75,12 @@ class ContextParallel:
         self._part = 0  # the length of this rank's part of the running step's sequences
 
     # ---- the batch ------------------------------------------------------------------------------------
-    def split(self, batch: Any) -> Any:
-        """This rank's part of every sequence in `batch`; learns each part's counted tokens (collective)."""
+    def split(self, batch: Any, dims: Any = None) -> Any:
+        """This rank's part of every sequence in `batch`; learns each part's counted tokens (collective). `dims`:
+        the sequence dimension of each tensor (a structure like the batch's, an int or None for each tensor), or
+        None for the default rule (the module docstring's)."""
+        if dims is not None:
+            return self._split_by(batch, dims)
         length = _sequence_length(batch)
         if length % self.size:
             raise ValueError(
@@ -99,6 +103,25 @@ class ContextParallel:
             return t
 
         batch = tree_map(cut, batch)
+        self._learn_shares(_counted_tokens(batch))
+        return batch
+
+    def _split_by(self, batch: Any, dims: Any) -> Any:
+        """`split` with the sequence dimension of each tensor given (TrainModule.sequence_dims)."""
+        lengths = {t.shape[d] for t, d in _with_dims(batch, dims)}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"sequence_dims: the dimensions named as the sequence have sizes {sorted(lengths)}; name the same "
+                "sequence in every tensor (one length), None for tensors to keep whole"
+            )
+        length = lengths.pop()
+        if length % self.size:
+            raise ValueError(
+                f"context_parallel_size={self.size}: the batch's sequences have {length} tokens, which do not "
+                f"split into {self.size} equal parts; pad them to a multiple of {self.size}"
+            )
+        part = self._part = length // self.size
+        batch = _cut_by(batch, dims, lambda t, d: t.narrow(d, self.rank * part, part))
         self._learn_shares(_counted_tokens(batch))
         return batch
 
@@ -219,6 +242,34 @@ def _own_part(y: torch.Tensor, parallel: ContextParallel) -> torch.Tensor:
     return received.permute(1, 0, 2, 3, 4).reshape(b, c * hc, whole // c, d)
 
 
+def _with_dims(batch: Any, dims: Any) -> list[tuple[torch.Tensor, int]]:
+    """(tensor, its sequence dimension) for every tensor of `batch` that `dims` names a dimension of."""
+    out: list[tuple[torch.Tensor, int]] = []
+    _cut_by(batch, dims, lambda t, d: out.append((t, d)) or t)
+    if not out:
+        raise ValueError("sequence_dims named no tensor of the batch: give the sequence dimension of at least one")
+    return out
+
+
+def _cut_by(batch: Any, dims: Any, cut: Any) -> Any:
+    """`batch` with `cut(tensor, dim)` for each tensor whose place in `dims` (a structure like the batch's: dicts,
+    lists, tuples) is an int; None keeps that part whole."""
+    if dims is None:
+        return batch
+    if isinstance(dims, int) and not isinstance(dims, bool):
+        if not isinstance(batch, torch.Tensor):
+            raise ValueError(f"sequence_dims names dimension {dims} of a {type(batch).__name__}, not of a tensor")
+        return cut(batch, dims)
+    if isinstance(batch, dict) and isinstance(dims, dict):
+        return {k: _cut_by(v, dims.get(k), cut) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and isinstance(dims, (list, tuple)) and len(batch) == len(dims):
+        return type(batch)(_cut_by(b, d, cut) for b, d in zip(batch, dims))
+    raise ValueError(
+        f"sequence_dims returned {dims!r} for a {type(batch).__name__} of the batch; give the batch's structure "
+        "(a dict, list or tuple alike) with an int (the sequence dimension) or None for each tensor"
+    )
+
+
 def _sequence_length(batch: Any) -> int:
     """Dimension 1 of the batch's first tensor of two or more dimensions."""
     for leaf in tree_flatten(batch)[0]:
@@ -226,7 +277,8 @@ def _sequence_length(batch: Any) -> int:
             return leaf.shape[1]
     raise ValueError(
         "context parallel: no tensor in the batch has a sequence dimension (dimension 1 of a tensor of shape "
-        "(batch, sequence, ...)); give batches of such tensors, or override the module's split_sequence"
+        "(batch, sequence, ...)); give batches of such tensors, or say which dimension is the sequence with the "
+        "module's sequence_dims"
     )
 
 

@@ -438,3 +438,47 @@ def test_auto_strategy_splits_a_sequence_that_fits_no_rank_whole(rank_pool):
     sizes: here 2, with the least-communicating strategy that then fits."""
     (cp, name, budget), _ = rank_pool(2).run(body_auto_context_parallel)
     assert cp == 2, (cp, name, budget)
+
+
+class SequenceFirst(LM):
+    """Batches laid out (sequence, batch), as torch's nn.Transformer without batch_first takes them: the module
+    says so with sequence_dims."""
+
+    def sequence_dims(self, batch):
+        return (0, 0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = (t.T for t in batch)
+        return F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+
+def sequence_first(samples: int = 24) -> TensorDataset:
+    x, y = tokens(samples).tensors
+    return TensorDataset(x, y)
+
+
+def transposed(batch):
+    return tuple(torch.stack(column).T for column in zip(*batch))
+
+
+def body_sequence_dims() -> dict | None:
+    trainer = Trainer(
+        strategy=FSDPStrategy(context_parallel_size=2),
+        devices=2,
+        max_steps=STEPS,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(SequenceFirst("gpt"), DataLoader(sequence_first(), batch_size=PER_RANK_BATCH, collate_fn=transposed))
+    state = trainer.strategy.full_state_dict()
+    return state if is_rank_zero() else None
+
+
+def test_a_module_names_the_sequence_dimension_of_its_batches(rank_pool):
+    """sequence_dims: a batch of (sequence, batch) tensors is split along dimension 0, as the module says."""
+    got = rank_pool(2).run(body_sequence_dims)[0]
+    assert max_relative_difference(got, one_process("gpt", 1)) <= TOLERANCE

@@ -189,6 +189,21 @@ class TrainModule(HyperparametersMixin, DataHooks, nn.Module):
             rank_zero_only=rank_zero_only,
         )
 
+    def sequence_dims(self, batch: Any) -> Any:
+        """Under context parallel (`context_parallel_size` > 1): which dimension of each tensor of `batch` is the
+        sequence that the Trainer splits over the context-parallel ranks. Return the batch's structure (dicts,
+        lists, tuples alike) with an int for each tensor to split and None for each to keep whole, e.g.
+        `{"input_ids": 1, "labels": 1, "image": None}`; or None (the default) for the rule: dimension 1 of every
+        tensor of two or more dimensions whose size there is the sequence's (that of the first such tensor).
+
+        Args:
+            batch: the batch, on the device.
+
+        Returns:
+            The sequence dimensions, or None.
+        """
+        return None
+
     def log_dict(self, metrics: Any, **kwargs: Any) -> None:
         """Call `self.log` for each entry of a dict, or each metric of a torchmetrics `MetricCollection`.
 

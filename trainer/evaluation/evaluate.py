@@ -20,7 +20,10 @@ def to_step(trainer: Trainer, batch: Any) -> Any:
     """The batch on the device in the precision's dtype; its size weighs the step's logged values."""
     batch = trainer.precision.convert_input(move_to_device(batch, trainer.strategy.root_device))
     trainer.metrics.start_step(batch)
-    return trainer.strategy.split_sequence(batch)  # (this rank's part of each sequence under context parallel)
+    if trainer.strategy.context_parallel is None:
+        return batch
+    dims = trainer.module.sequence_dims(batch) if isinstance(trainer.module, TrainModule) else None
+    return trainer.strategy.split_sequence(batch, dims)  # this rank's part of each sequence
 
 
 def log_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
