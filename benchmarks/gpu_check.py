@@ -51,6 +51,7 @@ PARTS: dict[str, Part] = {
     "checkpoint": Part("correctness", "part_checkpoint", 150, 3),
     "auto": Part("correctness", "part_auto", 120, 1),
     "two_ranks": Part("two_ranks", "part_two_ranks", 300, 9),
+    "round": Part("round_checks", "part_round", 240, 3),  # whole-tensor optimizers, context parallel
     "streams": Part("streams", "part_streams", 120, 1, speed=True),
     "speed": Part("speed", "part_speed", 240, 1, speed=True, cpu_checks=0),
     "overhead": Part("speed", "part_overhead", 120, 0, speed=True),

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_to_all_single
 from torch.utils._pytree import tree_flatten, tree_map
 
 METHODS = ("ulysses", "ring")
@@ -224,12 +223,37 @@ def ulysses_attention(
     return _own_part(out, parallel)
 
 
+class _Exchange(torch.autograd.Function):
+    """An all-to-all of equal chunks along dimension 0, through autograd: its backward is the same exchange of the
+    gradient. On gloo a CUDA tensor goes through host memory (gloo's all-to-all carries host tensors)."""
+
+    @staticmethod
+    def forward(ctx: Any, chunks: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(chunks, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_to_all(grad.contiguous(), ctx.group), None
+
+
+def _all_to_all(chunks: torch.Tensor, group: Any) -> torch.Tensor:
+    if chunks.device.type != "cpu" and dist.get_backend(group) == "gloo":
+        host = chunks.cpu()
+        received = torch.empty_like(host)
+        dist.all_to_all_single(received, host, group=group)
+        return received.to(chunks.device)
+    received = torch.empty_like(chunks)
+    dist.all_to_all_single(received, chunks, group=group)
+    return received
+
+
 def _whole_sequence(x: torch.Tensor, parallel: ContextParallel) -> torch.Tensor:
     """(batch, heads, part, dim) on each rank -> (batch, heads / C, whole sequence, dim): rank j gets heads j."""
     c = parallel.size
     b, h, s, d = x.shape
     chunks = x.reshape(b, c, h // c, s, d).transpose(0, 1).contiguous()  # chunk j: heads j, for rank j
-    received = all_to_all_single(torch.empty_like(chunks), chunks, group=parallel.group)  # from j: its part
+    received = _Exchange.apply(chunks, parallel.group)  # from j: its part
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // c, c * s, d)
 
 
@@ -238,7 +262,7 @@ def _own_part(y: torch.Tensor, parallel: ContextParallel) -> torch.Tensor:
     c = parallel.size
     b, hc, whole, d = y.shape
     chunks = y.reshape(b, hc, c, whole // c, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk j: part j
-    received = all_to_all_single(torch.empty_like(chunks), chunks, group=parallel.group)  # from j: heads j
+    received = _Exchange.apply(chunks, parallel.group)  # from j: heads j
     return received.permute(1, 0, 2, 3, 4).reshape(b, c * hc, whole // c, d)
 
 

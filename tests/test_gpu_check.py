@@ -42,6 +42,13 @@ def test_the_gpu_check_runs_on_cpu_and_every_check_holds():
     assert "tensor parallel 2 on one CPU fsdp fp32" in out and "a checkpoint of two ranks resumes on one" in out
 
 
+def test_the_round_part_runs_on_cpu():
+    """Whole-tensor optimizers (Adafactor; Muon with AdamW) under fsdp and context parallel 2 on two ranks sharing
+    one device, against plain torch on it."""
+    code, out = run_check("--device", "cpu", "--tiny", "--parts", "round", timeout=180)
+    assert "gpu: 3/3 checks hold" in out and code == 0, out[-3000:]
+
+
 def test_an_unknown_part_is_refused_by_name():
     code, out = run_check("--device", "cpu", "--parts", "strategies,warp", timeout=60)
     assert code == 2 and "--parts: unknown ['warp']" in out
