@@ -79,6 +79,13 @@ def strategy_of(name: str, kind: str, cp: int, tp: int = 1):
     return FSDPStrategy(auto_wrap_policy={block_of(kind)}, **options)
 
 
+def quiet_trainer(strategy, devices: int, **kwargs) -> Trainer:
+    """A Trainer of `STEPS` steps of 2 accumulated batches, clipped at 0.5, that writes nothing."""
+    options = dict(max_steps=STEPS, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False)
+    options.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return Trainer(strategy=strategy, devices=devices, **{**options, **kwargs})
+
+
 def fit(
     module,
     strategy,
@@ -90,19 +97,7 @@ def fit(
     data: TensorDataset | None = None,
     **kwargs,
 ) -> Trainer:
-    trainer = Trainer(
-        strategy=strategy,
-        devices=devices,
-        max_steps=steps,
-        max_epochs=1,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    trainer = quiet_trainer(strategy, devices, max_steps=steps, **kwargs)
     data = tokens(ignored=ignored) if data is None else data
     trainer.fit(module, DataLoader(data, batch_size=batch_size), ckpt_path=ckpt_path)
     return trainer
@@ -365,17 +360,7 @@ def hf_batches(batch_size: int) -> DataLoader:
 
 
 def fit_hf(strategy, devices: int, batch_size: int) -> dict[str, torch.Tensor]:
-    trainer = Trainer(
-        strategy=strategy,
-        devices=devices,
-        max_steps=STEPS,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy, devices)
     trainer.fit(HFLlama(), hf_batches(batch_size))
     return trainer.strategy.full_state_dict()
 
@@ -462,17 +447,7 @@ def transposed(batch):
 
 
 def body_sequence_dims() -> dict | None:
-    trainer = Trainer(
-        strategy=FSDPStrategy(context_parallel_size=2),
-        devices=2,
-        max_steps=STEPS,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(FSDPStrategy(context_parallel_size=2), 2)
     trainer.fit(SequenceFirst("gpt"), DataLoader(sequence_first(), batch_size=PER_RANK_BATCH, collate_fn=transposed))
     state = trainer.strategy.full_state_dict()
     return state if is_rank_zero() else None
