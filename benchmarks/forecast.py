@@ -134,8 +134,11 @@ def tensor_parallel_check(rounds: int) -> None:
         )
 
 
-def torchtitan_h100_plan(model: torch.nn.Module, gpus: int, batch_size: int, schedule: str, **options: Any):
-    """`model` (the Llama example, on meta) planned as torchtitan's H100 runs train it: nodes of 8, sequence 8192,
+def torchtitan_h100_plan(
+    model: torch.nn.Module, gpus: int, batch_size: int, schedule: str, seq_len: int = 8192, **options: Any
+):
+    """`model` (the Llama example, on meta) planned as torchtitan's H100 runs train it: nodes of 8, sequence 8192 (or
+    `seq_len`),
     bf16 parameters, fp32 reduce, each Block a unit and checkpointed, 96 GB per GPU, on the h100 profile at the
     HBM2e bandwidth of those runs' GPUs. `options`: plan_memory's other arguments (checkpoint mode, tensor parallel)."""
     from examples.llama import Block
@@ -146,7 +149,7 @@ def torchtitan_h100_plan(model: torch.nn.Module, gpus: int, batch_size: int, sch
         world_size=gpus,
         nodes=gpus // 8,
         batch_size=batch_size,
-        seq_len=8192,
+        seq_len=seq_len,
         precision="bf16-mixed",
         param_dtype=torch.bfloat16,
         reduce_dtype=torch.float32,
@@ -283,9 +286,8 @@ def context_parallel_paper_check() -> None:
     """Llama 3.1 8B on 8 and 32 H100 (nodes of 8) at 32K, 128K and 512K tokens, cp 1 to 8, fsdp per Block over the
     data-parallel x context-parallel ranks, one sequence per data-parallel rank, bf16 parameters, fp32 reduce, full
     activation checkpointing: memory per GPU and the step."""
-    from examples.llama import LLAMA_PRESETS, Block, Llama
+    from examples.llama import LLAMA_PRESETS, Llama
 
-    hardware = with_changes(HARDWARE["h100"], name="h100 (HBM2e 2.4 TB/s)", memory_bandwidth=0.8 * 2.4e12)
     with torch.device("meta"):  # (max_seq_len: the longest sequence; Llama 3.1's rotary tables are computed)
         model = Llama(dataclasses.replace(LLAMA_PRESETS["3.1-8b"], max_seq_len=524288))
     print(
@@ -296,21 +298,7 @@ def context_parallel_paper_check() -> None:
     for gpus in (8, 32):
         for seq in (32768, 131072, 524288):
             for cp in (1, 2, 4, 8):
-                plan = plan_memory(
-                    model,
-                    world_size=gpus,
-                    nodes=max(1, gpus // 8),
-                    batch_size=1,
-                    seq_len=seq,
-                    precision="bf16-mixed",
-                    param_dtype=torch.bfloat16,
-                    reduce_dtype=torch.float32,
-                    wrap_policy={Block},
-                    activation_checkpointing={Block},
-                    hardware=hardware,
-                    device_memory="96GB",
-                    context_parallel=cp,
-                )
+                plan = torchtitan_h100_plan(model, gpus, 1, "engine", seq_len=seq, context_parallel=cp)
                 f, row = plan.forecasts["fsdp"], plan.strategies["fsdp"]
                 fits = "" if row.total <= 96e9 else " (does not fit)"
                 print(

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
 from strategies.sharding.step_kind import KNOWN, StepKind, probe, step_kind
-from tests.test_parity import max_relative_difference
+from tests.test_parity import fit, max_relative_difference
 from trainer import Trainer, TrainModule
 
 IN, HIDDEN, OUT = 16, 32, 4  # the first layer: a (32, 16) matrix and a (32,) bias, as users' MLPs have
@@ -129,22 +129,10 @@ def run(
     **kwargs,
 ) -> Trainer:
     """`steps` optimizer steps of `accumulate` batches each, clipped at norm `clip` (resumed from `ckpt_path`)."""
-    trainer = Trainer(
-        strategy=strategy,
-        devices=devices,
-        max_steps=steps,
-        max_epochs=1,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
     dtype = next(module.parameters(), torch.empty(0)).dtype  # (a module built in configure_model has none yet)
-    trainer.fit(module, DataLoader(dataset(dtype=dtype), batch_size=batch_size), ckpt_path=ckpt_path)
-    return trainer
+    data = dataset(dtype=dtype)
+    options = dict(clip=clip, accumulate=accumulate, ckpt_path=ckpt_path, enable_model_summary=False)
+    return fit(module, strategy, devices, batch_size, steps, data, **options, **kwargs)
 
 
 def single(optimizer: str, world: int, module: MLP | None = None, **kwargs) -> dict[str, torch.Tensor]:

@@ -107,6 +107,8 @@ def fit(
     steps: int = STEPS,
     dataset: TensorDataset | None = None,
     clip: float = CLIP,
+    accumulate: int = ACCUMULATE,
+    ckpt_path: str | None = None,
     **trainer_kwargs,
 ) -> Trainer:
     trainer = Trainer(
@@ -114,7 +116,7 @@ def fit(
         devices=devices,
         max_steps=steps,
         max_epochs=1,
-        accumulate_grad_batches=ACCUMULATE,
+        accumulate_grad_batches=accumulate,
         gradient_clip_val=clip,
         logger=False,
         enable_checkpointing=False,
@@ -122,7 +124,7 @@ def fit(
         **trainer_kwargs,
     )
     loader = DataLoader(dataset if dataset is not None else token_dataset(), batch_size=batch_size, shuffle=False)
-    trainer.fit(module, loader)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
     return trainer
 
 
