@@ -133,12 +133,15 @@ class Llama(nn.Module):
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits of `tokens`. Under pipeline parallel a stage holds some of the modules, the others are None
+        and skipped: the first stage takes tokens, the later ones the activations of the stage before."""
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
             x = layer(x)
-        return self.output(self.norm(x))
+        x = self.norm(x) if self.norm is not None else x
+        return self.output(x) if self.output is not None else x
 
 
 def tensor_parallel_plan(model: Llama | None = None, loss_parallel: bool = False) -> dict[str, ParallelStyle]:

@@ -23,7 +23,16 @@ from torch.utils._pytree import tree_map
 from .checkpoint import plain_loop
 from .compile import compile_in_place, modules_to_compile, resolve_compile
 from .context_parallel import ContextParallel, check_method
-from .parallel_dims import CONTEXT_PARALLEL, DATA_PARALLEL, TENSOR_PARALLEL, ParallelDims, ParallelGroups, check_size
+from .parallel_dims import (
+    CONTEXT_PARALLEL,
+    DATA_PARALLEL,
+    PIPELINE_PARALLEL,
+    TENSOR_PARALLEL,
+    ParallelDims,
+    ParallelGroups,
+    check_size,
+)
+from .pipeline_parallel import PipelineParallel, check_microbatches, check_schedule
 from .sharding import ShardingEngine, ShardingSpec, observe
 from .sharding import gradients as engine_gradients
 from .sharding import state_dict as engine_state
@@ -80,6 +89,14 @@ class Strategy:
             sequences").
         context_parallel_method: `"ulysses"` (an all-to-all around attention trades the sequence for heads; any
             device; the heads must divide by context_parallel_size x tensor_parallel_size).
+        pipeline_parallel_size: the ranks that hold the model's stages one after another (1: none); each stage is
+            then spread by this strategy over its own ranks, and `self.device_mesh` gains "pipeline_parallel"
+            (docs/strategies.md, "Deep models").
+        pipeline_schedule: torch's pipeline schedule by its name without "Schedule": "GPipe", "1F1B",
+            "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble" or "DualPipeV".
+        pipeline_microbatches: the micro-batches each batch is cut into (None: one per stage).
+        pipeline_split: the module names of each stage (a list of lists); None cuts the model's repeated blocks
+            evenly, the modules before them going to the first stage and those after to the last.
         elementwise_optimizers: optimizer classes you declare element-wise (each element's update depends on that
             element alone), so that they step this rank's flat pieces; torch's are known and any other class is
             checked before its first step, so this is only needed for a class the check cannot build. A declared
@@ -106,6 +123,10 @@ class Strategy:
         elementwise_optimizers: Iterable[type] = (),
         context_parallel_size: int = 1,
         context_parallel_method: str = "ulysses",
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_split: list[list[str]] | None = None,
     ) -> None:
         owner = type(self).__name__
         self.engine: ShardingEngine | None = None
@@ -113,6 +134,11 @@ class Strategy:
         self.tensor_parallel_size = check_size(owner, "tensor_parallel_size", tensor_parallel_size, auto=True)
         self.context_parallel_size = check_size(owner, "context_parallel_size", context_parallel_size)
         self.context_parallel_method = check_method(owner, context_parallel_method)
+        self.pipeline_parallel_size = check_size(owner, "pipeline_parallel_size", pipeline_parallel_size)
+        self.pipeline_schedule = check_schedule(owner, pipeline_schedule)
+        self.pipeline_microbatches = check_microbatches(owner, pipeline_microbatches)
+        self.pipeline_split = pipeline_split
+        self.pipeline: PipelineParallel | None = None  # this rank's stages and schedule, if any
         self.parallel_dims: ParallelDims | None = None  # every parallel dimension's size, once connected
         self._groups: ParallelGroups | None = None  # their mesh and process groups, made on first need
         self.context_parallel: ContextParallel | None = None  # this rank's context-parallel group, if any
@@ -144,20 +170,32 @@ class Strategy:
         self.root_device, self.world_size, self.global_rank = device, world_size, global_rank
         self._connected = True
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        dims = ParallelDims.resolve(world_size, self.tensor_parallel_size, self.context_parallel_size, ranks_per_node)
+        sizes = (self.tensor_parallel_size, self.context_parallel_size, ranks_per_node, self.pipeline_parallel_size)
+        dims = ParallelDims.resolve(world_size, *sizes)
         self.parallel_dims, self.tensor_parallel_size = dims, dims.tensor
-        if dims.tensor > 1 or dims.context > 1:  # made now, on every rank together (it creates process groups)
+        if dims.tensor > 1 or dims.context > 1 or dims.pipeline > 1:  # made now, on every rank together (collective)
             self._groups = ParallelGroups(dims, device.type)
         if dims.context > 1:
             group = self._groups.group(CONTEXT_PARALLEL)
             self.context_parallel = ContextParallel(dims.context, self.context_parallel_method, group, device)
+        if dims.pipeline > 1:
+            self.pipeline = PipelineParallel(
+                dims.pipeline,
+                dims.pipeline_rank(global_rank),
+                self.pipeline_schedule,
+                self.pipeline_microbatches,
+                self.pipeline_split,
+                self._groups.group(PIPELINE_PARALLEL),
+                device,
+            )
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The mesh of the ranks, dimensions "data_parallel", "context_parallel" and "tensor_parallel" (the first
-        and last as Lightning's ModelParallelStrategy names them): in `configure_model`, apply torch's tensor
-        parallel on `device_mesh["tensor_parallel"]`. Made on first use without tensor or context parallel
-        (collective then). In a plain loop under torchrun, read it before `setup_module` to split the model."""
+        """The mesh of the ranks, dimensions "pipeline_parallel", "data_parallel", "context_parallel" and
+        "tensor_parallel" (the data and tensor ones as Lightning's ModelParallelStrategy names them): in
+        `configure_model`, apply torch's tensor parallel on `device_mesh["tensor_parallel"]`. Made on first use
+        without tensor, context or pipeline parallel (collective then). In a plain loop under torchrun, read it
+        before `setup_module` to split the model."""
         if not self._connected:
             self.connect(*_environment())
         if self._groups is None:
@@ -166,8 +204,8 @@ class Strategy:
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks that read different samples: the world size over tensor and context parallel's."""
-        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size)
+        """The ranks that read different samples: the world size over tensor, context and pipeline parallel's."""
+        return self.world_size // self.ranks_per_data_parallel_rank
 
     @property
     def data_parallel_group(self) -> Any:
@@ -189,16 +227,26 @@ class Strategy:
 
     def data_parallel_rank_of(self, rank: int) -> int:
         """The data-parallel place of global rank `rank`."""
-        return rank // (self.tensor_parallel_size * self.context_parallel_size)
+        if self.parallel_dims is None:
+            return rank // self.ranks_per_data_parallel_rank
+        return self.parallel_dims.data_parallel_rank(rank)
 
     @property
     def ranks_per_data_parallel_rank(self) -> int:
-        """The ranks that read the same samples (a tensor- and context-parallel group)."""
-        return self.tensor_parallel_size * self.context_parallel_size
+        """The ranks that read the same samples (a tensor-, context- and pipeline-parallel group)."""
+        return self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size
+
+    def data_parallel_representatives(self) -> list[int]:
+        """One global rank per data-parallel rank, in order: the one that holds a step's output (the first
+        tensor- and context-parallel rank of the pipeline's last stage)."""
+        per_stage = self.world_size // self.pipeline_parallel_size
+        last_stage = (self.pipeline_parallel_size - 1) * per_stage
+        step = self.tensor_parallel_size * self.context_parallel_size
+        return list(range(last_stage, last_stage + per_stage, step))
 
     @property
     def _splits_samples(self) -> bool:
-        return self.tensor_parallel_size * self.context_parallel_size > 1
+        return self.ranks_per_data_parallel_rank > 1
 
     @property
     def is_global_zero(self) -> bool:
@@ -401,9 +449,12 @@ class Strategy:
         module._apply(lambda t: t if t.is_meta else t.to(self.root_device))
         record, self._init_record = self._init_record, None
         options = self.engine_options()
+        if self.pipeline is not None:
+            self.pipeline.cut(module)  # this rank's stages only
         if self.tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallelParameters(module, self.device_mesh[TENSOR_PARALLEL])
-            # the engine averages and shards over the ranks at this tensor-parallel position (parallel_dims.py)
+        if self.tensor_parallel_size > 1 or self.pipeline is not None:
+            # the engine averages and shards over the ranks at this stage and tensor-parallel position
             options["group"] = self.gradient_group
             options["every_data_parallel_group"] = self.parallel_dims.gradient_groups()
         self.engine = ShardingEngine(module, self.spec, device=self.root_device, init_record=record, **options)
@@ -475,6 +526,25 @@ class Strategy:
             return value
         return self.context_parallel.combine(value)
 
+    # ---- pipeline parallel: a batch through the stages (pipeline_parallel.py) ---------------------------------
+    def pipeline_step(self, batch: Any, scale: float = 1.0) -> torch.Tensor | None:
+        """Forward and backward of a batch `(inputs, target)` through the pipeline's micro-batches, the loss
+        multiplied by `scale` (1 / accumulated batches); the batch's loss on the rank holding the last stage, None
+        on the others. Collective over the pipeline group."""
+        inputs, target = _inputs_and_target(batch, self.pipeline_parallel_size)
+        return self.pipeline.train_step(inputs, target, scale)
+
+    def pipeline_forward(self, batch: Any) -> Any:
+        """The model's output of the batch's inputs through the pipeline (no backward): on the rank holding the
+        last stage, None on the others. Collective over the pipeline group."""
+        inputs, _ = _inputs_and_target(batch, self.pipeline_parallel_size, need_target=False)
+        return self.pipeline.forward(inputs)
+
+    def from_last_stage(self, obj: Any) -> Any:
+        """`obj` of the rank holding the pipeline's last stage, on every rank of its pipeline group (itself
+        without a pipeline). Collective over the pipeline group."""
+        return obj if self.pipeline is None else self.pipeline.send_from_last_stage(obj)
+
     @contextmanager
     def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:
         """Skip gradient synchronisation inside the block, for micro-batches that are not the last of an
@@ -521,7 +591,8 @@ class Strategy:
         if algorithm == "value":
             engine_gradients.clip_grad_value_(self.engine, max_norm, params)
             return None
-        return engine_gradients.clip_grad_norm_(self.engine, max_norm, params)
+        stages = None if self.pipeline is None else self.pipeline.group  # the norm over every stage's gradients
+        return engine_gradients.clip_grad_norm_(self.engine, max_norm, params, also_over=stages)
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradient tensors this rank's optimizer reads (for loss-scaler checks)."""
@@ -684,6 +755,19 @@ def check_elementwise_optimizers(owner: str, value: Iterable[type]) -> tuple[typ
                 f"got {cls!r}"
             )
     return classes
+
+
+def _inputs_and_target(batch: Any, size: int, need_target: bool = True) -> tuple[Any, Any]:
+    """The (inputs, target) of a batch that runs through a pipeline."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if not need_target and isinstance(batch, torch.Tensor):
+        return batch, None
+    raise TypeError(
+        f"pipeline_parallel_size={size}: a batch must be (inputs, target): the first stage reads the inputs and "
+        f"the last stage's pipeline_loss the target; got {type(batch).__name__}"
+        + (f" of {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
 
 
 def take_back(module: nn.Module) -> None:

@@ -91,6 +91,10 @@ class FSDPStrategy(Strategy):
         elementwise_optimizers: Any = (),
         context_parallel_size: int = 1,
         context_parallel_method: str = "ulysses",
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_split: list[list[str]] | None = None,
     ) -> None:
         super().__init__(
             compile,
@@ -99,6 +103,10 @@ class FSDPStrategy(Strategy):
             elementwise_optimizers,
             context_parallel_size,
             context_parallel_method,
+            pipeline_parallel_size,
+            pipeline_schedule,
+            pipeline_microbatches,
+            pipeline_split,
         )
         self.auto_wrap_policy = resolve_wrap_policy(auto_wrap_policy)
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.

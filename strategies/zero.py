@@ -53,6 +53,10 @@ class ZeroStrategy(Strategy):
         elementwise_optimizers: Any = (),
         context_parallel_size: int = 1,
         context_parallel_method: str = "ulysses",
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        pipeline_microbatches: int | None = None,
+        pipeline_split: list[list[str]] | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroStrategy: stage={stage!r}; choose 1 or 2 (use FSDPStrategy for stage 3)")
@@ -63,6 +67,10 @@ class ZeroStrategy(Strategy):
             elementwise_optimizers,
             context_parallel_size,
             context_parallel_method,
+            pipeline_parallel_size,
+            pipeline_schedule,
+            pipeline_microbatches,
+            pipeline_split,
         )
         self.stage = stage
         self.spec = ZERO1 if stage == 1 else ZERO2

@@ -853,11 +853,14 @@ def gradient_tensors(engine: _Engine, params: list[torch.Tensor] | None = None) 
     return out
 
 
-def clip_grad_norm_(engine: _Engine, max_norm: float, params: list[torch.Tensor] | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    engine: _Engine, max_norm: float, params: list[torch.Tensor] | None = None, also_over: Any = None
+) -> torch.Tensor:
     """Scale gradients (of `params`, or all) so that their global L2 norm over every rank is <= max_norm. The
     norm is computed in the gradients' own dtype (the widest, if they differ), as torch's clip_grad_norm_.
     Pieces of tensors split over other ranks too (ShardingEngine.split_elsewhere) add their squares over those
-    ranks; what every such rank holds alike counts once."""
+    ranks; what every such rank holds alike counts once. `also_over`: a process group whose ranks hold other
+    parameters of the model (a pipeline's stages), whose squares are added too."""
     split = {id(unit.params[i]): group for unit in engine.units for i, group in unit.grads.split.items()}
     if not split:
         parts = [(gradient_tensors(engine, params), None)]
@@ -875,6 +878,8 @@ def clip_grad_norm_(engine: _Engine, max_norm: float, params: list[torch.Tensor]
         if group is not None:
             dist.all_reduce(part, group=group)
         total = part if total is None else total + part.to(total.dtype)
+    if also_over is not None:
+        dist.all_reduce(total, group=also_over)
     total = total.sqrt()
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grads, _ in parts:

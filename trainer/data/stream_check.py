@@ -45,7 +45,7 @@ def warn_if_unsplit(strategy: Any, loader: Any, batch: Any) -> None:
     if not strategy.distributed or split_by_the_trainer(loader):
         return
     digests = strategy.all_gather_object(batch_digest(batch))
-    per_data_rank = digests[:: strategy.ranks_per_data_parallel_rank]  # a tp or cp group reads one batch
+    per_data_rank = [digests[r] for r in strategy.data_parallel_representatives()]  # a tp/cp/pp group reads one
     if strategy.is_global_zero and strategy.data_parallel_size > 1 and len(set(per_data_rank)) == 1:
         warnings.warn(
             f"every one of the {strategy.world_size} ranks got the same first training batch: the training data "

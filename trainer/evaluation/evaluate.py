@@ -101,5 +101,6 @@ def predict(trainer: Trainer, loader: Any) -> list[Any] | None:
     t._call("on_predict_end")
     if not strategy.distributed:
         return predictions
-    by_rank = strategy.all_gather_object(predictions)[:: strategy.ranks_per_data_parallel_rank]  # (a tp/cp group's
-    return [prediction for ranks in by_rank for prediction in ranks] if t.is_global_zero else None  # are alike)
+    every = strategy.all_gather_object(predictions)  # one rank per data-parallel rank: a tp/cp group's are alike,
+    by_rank = [every[r] for r in strategy.data_parallel_representatives()]  # a pipeline's last stage predicts
+    return [prediction for ranks in by_rank for prediction in ranks] if t.is_global_zero else None

@@ -21,6 +21,7 @@ from ..evaluation.evaluate import log_metrics, to_step
 from .agreement import Agreement, agree
 from .nonfinite import nonfinite_losses
 from .optimizers import check_closure_step, needs_closure, step_schedulers
+from .pipeline_logs import log_all, per_step, recorded_logs
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -66,6 +67,9 @@ class TrainingBatch:
         if self.steps_with_closure:  # training_step runs inside optimizer.step (LBFGS)
             self._end_batch(self._step_with_closure(batch, batch_idx), batch, batch_idx)
             return
+        if self.strategy.pipeline is not None:  # the schedule runs forward and backward (pipeline_parallel.py)
+            self._end_batch(self._pipeline_batch(batch, batch_idx), batch, batch_idx)
+            return
         with t.timer.phase("forward"), t.precision.autocast(), self.strategy.forward_context():
             output = self.module.training_step(batch, batch_idx)
         if not self.module.automatic_optimization:  # training_step did backward and the steps itself
@@ -92,6 +96,29 @@ class TrainingBatch:
                 self._optimizer_step(batch_idx)
                 self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
         self._end_batch(outputs, batch, batch_idx)
+
+    def _pipeline_batch(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor] | None:
+        """A batch through the pipeline's stages: the schedule runs every micro-batch's forward and backward
+        (the module's pipeline_loss on the last stage), gradients accumulate unsynced until the window's end;
+        the loss and what pipeline_loss logged come from the last stage to every rank of the pipeline."""
+        t = self.trainer
+        with t.timer.phase("forward"), t.precision.autocast(), recorded_logs(self.module) as records:
+            with self.strategy.no_backward_sync():
+                loss = self.strategy.pipeline_step(batch, 1.0 / t.accumulate_grad_batches)
+        loss, logged = self.strategy.from_last_stage((loss, per_step(records)))
+        value = loss.to(self.strategy.root_device)
+        log_all(self.module, logged)
+        agreed = self._agree(value, batch_idx)
+        self._backward_in_window, self._unsynced = True, True  # (synchronised before the optimizer step)
+        window_end = (
+            (batch_idx + 1) % t.accumulate_grad_batches == 0
+            or batch_idx + 1 == t.num_training_batches
+            or agreed.last_batch
+        )
+        if window_end:
+            self._optimizer_step(batch_idx)
+            self.stop_requested, self.out_of_time = agreed.stop, agreed.out_of_time
+        return None if agreed.skip else {"loss": value}
 
     def _end_batch(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         t = self.trainer
