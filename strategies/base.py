@@ -545,6 +545,11 @@ class Strategy:
         without a pipeline). Collective over the pipeline group."""
         return obj if self.pipeline is None else self.pipeline.send_from_last_stage(obj)
 
+    def names_of_every_stage(self, names: list[str]) -> list[str]:
+        """Parameter names of this rank's stages with those of the pipeline's other stages, in the model's order
+        (what a checkpoint's optimizer groups list); `names` itself without a pipeline. Collective over it."""
+        return names if self.pipeline is None else self.pipeline.names_of_every_stage(names)
+
     @contextmanager
     def no_backward_sync(self, enabled: bool = True) -> Iterator[None]:
         """Skip gradient synchronisation inside the block, for micro-batches that are not the last of an
@@ -675,8 +680,10 @@ class Strategy:
         return self._as_stored(OptimizerShards(self.engine, optimizer, group_names))
 
     def _as_stored(self, owner: Any) -> Any:
-        """The engine's owner of state as checkpoints hold it: under tensor parallel in the full tensors' shapes."""
-        return owner if self.tensor_parallel is None else TensorParallelState(owner, self.tensor_parallel)
+        """The engine's owner of state as checkpoints hold it: under tensor parallel in the full tensors' shapes;
+        under pipeline parallel the model's checked against every stage's names."""
+        stored = owner if self.tensor_parallel is None else TensorParallelState(owner, self.tensor_parallel)
+        return stored if self.pipeline is None or not isinstance(owner, ModelShards) else self.pipeline.stored(stored)
 
     def master_pieces(self) -> list[engine_state.MasterPiece]:
         """This rank's pieces of the weights, nothing gathered: (name, shape, start, data, trainable), `data` a 1-D
@@ -716,11 +723,14 @@ class Strategy:
             A dict of name to full tensor.
         """
         keep = self.is_global_zero or not rank_zero_only
-        if self.tensor_parallel is None:
+        if self.tensor_parallel is None and self.pipeline is None:
             return engine_state.full_state_dict(self.engine, keep=keep, trainable_only=trainable_only)
-        local = engine_state.full_state_dict(self.engine, keep=True, trainable_only=trainable_only)
-        layouts = self.tensor_parallel.layouts  # pieces of the tensor-parallel ranks, put together on each
-        full = {k: self.tensor_parallel.full_tensor(k, v) if k in layouts else v for k, v in local.items()}
+        full = engine_state.full_state_dict(self.engine, keep=True, trainable_only=trainable_only)
+        if self.tensor_parallel is not None:  # pieces of the tensor-parallel ranks, put together on each
+            layouts = self.tensor_parallel.layouts
+            full = {k: self.tensor_parallel.full_tensor(k, v) if k in layouts else v for k, v in full.items()}
+        if self.pipeline is not None:  # every stage's, on each rank of the pipeline
+            full = self.pipeline.whole_model(full)
         return full if keep else {}
 
     def memory_report(self) -> dict[str, int]:

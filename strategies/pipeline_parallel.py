@@ -126,6 +126,8 @@ class PipelineParallel:
         self.stage_indices: list[int] = []  # the stages this rank holds
         self.views: list[nn.Module] = []  # a module for each of them
         self.module: nn.Module | None = None
+        self.names_in_order: list[str] = []  # the whole model's state dict keys
+        self.whole_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}  # and their shapes
         self._schedules: dict[tuple, Any] = {}  # by the inputs' shape and dtype (a stage's shapes are fixed)
 
     # ---- the model's stages ---------------------------------------------------------------------------------
@@ -143,12 +145,36 @@ class PipelineParallel:
         ranks = stage_ranks(self.schedule_name, self.num_stages, self.size)
         self.stage_indices = [s for s in range(self.num_stages) if ranks[s] == self.rank]
         held = [name for s in self.stage_indices for name in self.split[s]]
+        whole = module.state_dict()
+        self.names_in_order = list(whole)
+        self.whole_shapes = {name: (value.shape, value.dtype) for name, value in whole.items()}
         keep_only(module, held)
         self.module = module
         if len(self.stage_indices) == 1:
             self.views = [module]
         else:
             self.views = [stage_view(module, self.split[s]) for s in self.stage_indices]
+
+    def stored(self, model_state: Any) -> Any:
+        """The model's state as checkpoints hold it (ModelShards), its `shapes` those of the whole model: this
+        rank's own, the other stages' as the model had them before it was cut."""
+        return _EveryStage(model_state, self.whole_shapes)
+
+    def whole_model(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Every stage's entries of a state dict keyed by the model's names (this rank's `state` with the other
+        ranks'), in the model's order. Collective over the pipeline group."""
+        parts: list[Any] = [None] * self.size
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=self.group)
+        merged = {k: v for part in parts for k, v in part.items()}
+        order = {name: i for i, name in enumerate(self.names_in_order)}
+        return {k: merged[k].to(self.device) for k in sorted(merged, key=lambda k: order.get(k, len(order)))}
+
+    def names_of_every_stage(self, names: list[str]) -> list[str]:
+        """`names` of this rank's stages with the other ranks', in the model's order. Collective over the group."""
+        parts: list[Any] = [None] * self.size
+        dist.all_gather_object(parts, list(names), group=self.group)
+        order = {name: i for i, name in enumerate(self.names_in_order)}
+        return sorted({n for part in parts for n in part}, key=lambda n: order.get(n, len(order)))
 
     @property
     def holds_last_stage(self) -> bool:
@@ -226,6 +252,7 @@ class PipelineParallel:
             return loss.reshape(()) * (scale / microbatches)
 
         schedule = self._schedule(inputs, loss_fn)
+        self._follow_mode()
         losses: list[torch.Tensor] = []
         with _missing_module_error(self):
             schedule.step(*self._first_stage_args(inputs), target=target, losses=losses)
@@ -241,6 +268,7 @@ class PipelineParallel:
         if inputs is not None:
             self._check_divides(inputs)
         chunks = inputs.tensor_split(self.microbatches) if 0 in self.stage_indices else [None] * self.microbatches
+        self._follow_mode()
         outputs = []
         with _missing_module_error(self), torch.no_grad():
             for number, x in enumerate(chunks):
@@ -256,6 +284,13 @@ class PipelineParallel:
                 if self.holds_last_stage:
                     outputs.append(x)
         return torch.cat(outputs) if self.holds_last_stage else None
+
+    def _follow_mode(self) -> None:
+        """The stages' views in the model's mode (train or eval): a view's copies of the modules on the way to its
+        own do not follow `module.train()` by themselves."""
+        for view in self.views:
+            if view is not self.module:
+                view.train(self.module.training)
 
     def _send(self, tensor: torch.Tensor, to: int) -> None:
         dist.send_object_list([tensor], group=self.group, group_dst=to, device=self.device)
@@ -273,6 +308,20 @@ class PipelineParallel:
         box = [obj]
         dist.broadcast_object_list(box, group=self.group, group_src=self.last_stage_rank)
         return box[0]
+
+
+class _EveryStage:
+    """A stage's model state as checkpoints read and write it, its `shapes` the whole model's (what a checkpoint
+    is checked against: the other stages' entries are neither missing nor unexpected)."""
+
+    def __init__(self, inner: Any, whole_shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        self.inner, self.whole_shapes = inner, whole_shapes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        return {**self.whole_shapes, **self.inner.shapes()}
 
 
 def _meta_of(tensor: torch.Tensor, needs_grad: bool) -> torch.Tensor:

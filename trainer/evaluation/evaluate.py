@@ -9,6 +9,7 @@ import torch
 
 from ..data.loaders import limit_batches
 from ..module import TrainModule
+from ..pipeline_steps import evaluation_step
 from ..state import move_to_device
 from .steps import run_steps
 
@@ -51,7 +52,7 @@ def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None
     """One pass of validation or test; returns the epoch metrics. The epoch-end hooks run before the epoch's
     metrics are closed, so what they log belongs to this epoch, and after the logged metric objects are computed
     (as Lightning orders them)."""
-    t, module, strategy = trainer, trainer.module, trainer.strategy
+    t, module = trainer, trainer.module
     name = "validation" if stage == "validate" else "test"
     if limit is None:
         argument = "limit_val_batches" if stage == "validate" else "limit_test_batches"
@@ -65,8 +66,7 @@ def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None
 
     def step(batch: Any, batch_idx: int) -> None:
         batch = to_step(t, batch)
-        with t.precision.autocast(), strategy.forward_context():
-            output = step_fn(batch, batch_idx)
+        output = _run_step(t, step_fn, batch, batch_idx)
         t._call(f"on_{name}_batch_end", output, batch, batch_idx)
 
     with torch.no_grad():
@@ -80,6 +80,15 @@ def evaluate(trainer: Trainer, loader: Any, stage: str, limit: int | None = None
     return metrics
 
 
+def _run_step(trainer: Trainer, step_fn: Any, batch: Any, batch_idx: int) -> Any:
+    """An evaluation step method on a batch (through the stages under pipeline parallel)."""
+    with trainer.precision.autocast():
+        if trainer.strategy.pipeline is not None:
+            return evaluation_step(trainer.strategy, trainer.module, step_fn, batch, batch_idx)
+        with trainer.strategy.forward_context():
+            return step_fn(batch, batch_idx)
+
+
 def predict(trainer: Trainer, loader: Any) -> list[Any] | None:
     """Each batch's prediction, in dataset order on rank 0 (loaders split by ShardBatchSampler); None elsewhere."""
     t, module, strategy = trainer, trainer.module, trainer.strategy
@@ -90,8 +99,7 @@ def predict(trainer: Trainer, loader: Any) -> list[Any] | None:
 
     def step(batch: Any, batch_idx: int) -> None:
         batch = to_step(t, batch)
-        with t.precision.autocast(), strategy.forward_context():
-            prediction = module.predict_step(batch, batch_idx)
+        prediction = _run_step(t, module.predict_step, batch, batch_idx)
         prediction = strategy.join_sequence_parts(prediction)  # (whole sequences under context parallel)
         predictions.append(prediction)
         t._call("on_predict_batch_end", prediction, batch, batch_idx)

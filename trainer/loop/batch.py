@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 
 from ..data.uneven import Lookahead
 from ..evaluation.evaluate import log_metrics, to_step
+from ..pipeline_steps import log_all, per_step, recorded_logs
 from .agreement import Agreement, agree
 from .nonfinite import nonfinite_losses
 from .optimizers import check_closure_step, needs_closure, step_schedulers
-from .pipeline_logs import log_all, per_step, recorded_logs
 
 if TYPE_CHECKING:
     from ..trainer import Trainer

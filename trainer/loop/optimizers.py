@@ -130,6 +130,7 @@ def configure_optimizers(module: Any, strategy: Any) -> tuple[list, list[Schedul
             "(self.optimizers(), self.manual_backward(loss), opt.step(), opt.zero_grad())"
         )
     names = [_param_group_names(module, opt) for opt in optimizers]  # before parameters become shards
+    names = [[strategy.names_of_every_stage(group) for group in groups] for groups in names]  # (pipeline's)
     return [strategy.setup_optimizer(opt) for opt in optimizers], configs, names
 
 

@@ -1,0 +1,198 @@
+"""Pipeline parallel (docs/strategies.md, "Deep models"): the ranks of a pipeline group hold the model's stages,
+torch's schedules run each batch's micro-batches through them, and K steps give one process's weights on the same
+global batch, under every schedule and strategy, with tensor parallel, and across checkpoints of other layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from examples.llama import LLAMA_PRESETS, Block, Llama
+from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
+from tests.test_parity import max_relative_difference
+from trainer import Trainer, TrainModule
+from trainer.checkpoint import load_full_state_dict
+
+SEQ, VOCAB, BATCH, STEPS = 16, 64, 4, 3
+TOLERANCE = 1e-4  # AdamW, as tests/test_parity.py
+CONFIG = dataclasses.replace(LLAMA_PRESETS["tiny"], vocab_size=VOCAB, max_seq_len=SEQ, n_layers=4)
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+class PipelinedLlama(TrainModule):
+    """The Llama example as a pipeline-ready module: its forward skips the modules a stage does not hold, and
+    pipeline_loss gives the last stage's loss (training_step is what one process runs)."""
+
+    def __init__(self, tensor_parallel: bool = False) -> None:
+        super().__init__()
+        self.tensor_parallel = tensor_parallel
+        torch.manual_seed(0)
+        self.model = None if tensor_parallel else Llama(CONFIG)
+
+    def configure_model(self) -> None:
+        if self.tensor_parallel:
+            from examples.llama import tensor_parallel
+
+            torch.manual_seed(0)
+            self.model = tensor_parallel(Llama(CONFIG), self.device_mesh["tensor_parallel"])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        self.log("train/loss", loss)
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.pipeline_loss(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val/loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, eps=1e-6)
+
+
+def tokens(samples: int = 48) -> TensorDataset:
+    g = torch.Generator().manual_seed(2)
+    return TensorDataset(
+        torch.randint(0, VOCAB, (samples, SEQ), generator=g), torch.randint(0, VOCAB, (samples, SEQ), generator=g)
+    )
+
+
+def strategy_of(name: str, pp: int, schedule: str = "1F1B", tp: int = 1, **options):
+    options = dict(pipeline_parallel_size=pp, pipeline_schedule=schedule, tensor_parallel_size=tp, **options)
+    if name == "ddp":
+        return DDPStrategy(**options)
+    if name in ("zero1", "zero2"):
+        return ZeroStrategy(stage=int(name[-1]), **options)
+    return FSDPStrategy(auto_wrap_policy={Block}, **options)
+
+
+def fit(module, strategy, devices: int, batch_size: int = BATCH, steps: int = STEPS, **kwargs) -> Trainer:
+    """STEPS steps of 2 accumulated batches, clipped at 0.5, writing nothing."""
+    options = dict(max_steps=steps, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False)
+    options.update(enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    trainer = Trainer(strategy=strategy, devices=devices, **{**options, **kwargs})
+    trainer.fit(module, DataLoader(tokens(), batch_size=batch_size), ckpt_path=ckpt_path)
+    return trainer
+
+
+def one_process(data_parallel: int = 1, **kwargs) -> Trainer:
+    return fit(PipelinedLlama(), "single", 1, BATCH * data_parallel, **kwargs)
+
+
+def is_rank_zero() -> bool:
+    return dist.get_rank() == 0
+
+
+# ------------------------------------------------------------------------------------ bodies run on every rank
+
+
+def body_schedules(names: list[str], schedules: list[str], pp: int, tp: int = 1) -> dict | None:
+    out = {}
+    for name in names:
+        for schedule in schedules:
+            trainer = fit(PipelinedLlama(tp > 1), strategy_of(name, pp, schedule, tp), dist.get_world_size())
+            assert trainer.strategy.device_mesh["pipeline_parallel"].size() == pp
+            out[(name, schedule)] = trainer.strategy.full_state_dict()
+    return out if is_rank_zero() else None
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+def test_llama_at_pipeline_parallel_2_matches_one_process_under_every_schedule(rank_pool):
+    """Two ranks, four micro-batches a batch: GPipe and 1F1B with one stage per rank, the looped and V-shaped
+    schedules with two (four blocks, one each); accumulation and clipping (the norm over every stage)."""
+    results = rank_pool(2).run(body_schedules, ["ddp"], SCHEDULES, 2)[0]
+    want = one_process().strategy.full_state_dict()
+    for key, got in results.items():
+        assert max_relative_difference(got, want) <= TOLERANCE, key
+
+
+def test_pipeline_2_x_data_parallel_2_under_every_strategy(rank_pool):
+    """Four ranks: each stage spread over two data-parallel ranks by the strategy (fsdp shards a stage's blocks
+    over its two ranks)."""
+    results = rank_pool(4).run(body_schedules, ["ddp", "zero1", "zero2", "fsdp"], ["1F1B"], 2)[0]
+    want = one_process(data_parallel=2).strategy.full_state_dict()
+    for key, got in results.items():
+        assert max_relative_difference(got, want) <= TOLERANCE, key
+
+
+def test_pipeline_2_x_tensor_parallel_2(rank_pool):
+    """Each stage split by the Llama example's tensor-parallel plan over two ranks, its sequence-parallel
+    activations going from stage to stage as local pieces."""
+    results = rank_pool(4).run(body_schedules, ["ddp", "fsdp"], ["1F1B"], 2, 2)[0]
+    want = one_process().strategy.full_state_dict()
+    for key, got in results.items():
+        assert max_relative_difference(got, want) <= TOLERANCE, key
+
+
+def body_logged_and_evaluated() -> dict | None:
+    trainer = fit(PipelinedLlama(), strategy_of("fsdp", 2, "Interleaved1F1B"), 2)
+    logged = float(trainer.callback_metrics["train/loss"])
+    validated = trainer.validate(trainer.module, DataLoader(tokens(8), batch_size=BATCH))[0]["val/loss"]
+    predicted = trainer.predict(trainer.module, DataLoader(tokens(8), batch_size=BATCH))
+    return {"logged": logged, "val": validated, "predicted": predicted} if is_rank_zero() else None
+
+
+def test_logged_loss_validation_and_predict_run_through_the_pipeline(rank_pool):
+    """Rank 0 holds the first stage: what pipeline_loss logged on the last one reaches it as one process's
+    mean over the batch; validation_step and predict_step run on the pipeline's output."""
+    got = rank_pool(2).run(body_logged_and_evaluated)[0]
+    trainer = one_process()
+    assert got["logged"] == pytest.approx(float(trainer.callback_metrics["train/loss"]), rel=1e-5)
+    validated = trainer.validate(trainer.module, DataLoader(tokens(8), batch_size=BATCH))[0]["val/loss"]
+    assert got["val"] == pytest.approx(validated, rel=1e-5)
+    predicted = trainer.predict(trainer.module, DataLoader(tokens(8), batch_size=BATCH))
+    assert torch.equal(torch.cat(got["predicted"]), torch.cat(predicted))
+
+
+def body_checkpoint(path: str, pp: int, saving: bool, name: str = "fsdp") -> dict | None:
+    """Train 2 of 3 steps at pipeline size `pp` under `name` and save, or resume for the third (the global batch
+    stays BATCH samples)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    strategy = strategy_of(name, pp) if world > 1 else "single"
+    batch_size = BATCH * pp // world
+    if saving:
+        fit(PipelinedLlama(), strategy, world, batch_size, steps=2).save_checkpoint(path)
+        return None
+    trainer = fit(PipelinedLlama(), strategy, world, batch_size, ckpt_path=path)
+    state = trainer.strategy.full_state_dict()
+    return state if world == 1 or is_rank_zero() else None
+
+
+def test_a_checkpoint_resumes_under_another_pipeline_layout(rank_pool, tmp_path):
+    """Checkpoints are keyed by the model's own names (stages keep them; the optimizer's state too): saved at
+    pp 2, resumed by one process, by plain fsdp on 2 ranks, at pp 4 and under zero2 at pp 2; saved by one process,
+    resumed at pp 2; load_full_state_dict reads the whole model from the pp 2 checkpoint."""
+    want = one_process().strategy.full_state_dict()
+    pp2 = str(tmp_path / "pp2")
+    rank_pool(2).run(body_checkpoint, pp2, 2, True)
+    whole = load_full_state_dict(pp2)
+    assert sorted(whole) == sorted(PipelinedLlama().state_dict())
+    results = {
+        "one process": body_checkpoint(pp2, 1, False),
+        "fsdp 2": rank_pool(2).run(body_checkpoint, pp2, 1, False)[0],
+        "pp 4": rank_pool(4).run(body_checkpoint, pp2, 4, False)[0],
+        "zero2 pp 2": rank_pool(2).run(body_checkpoint, pp2, 2, False, "zero2")[0],
+    }
+    single = str(tmp_path / "single")
+    body_checkpoint(single, 1, True)
+    results["from one process"] = rank_pool(2).run(body_checkpoint, single, 2, False)[0]
+    for key, got in results.items():
+        assert max_relative_difference(got, want) <= TOLERANCE, key
