@@ -178,6 +178,11 @@ class Strategy:
         if dims.context > 1:
             group = self._groups.group(CONTEXT_PARALLEL)
             self.context_parallel = ContextParallel(dims.context, self.context_parallel_method, group, device)
+        if dims.pipeline > 1 and dims.context > 1:
+            raise ValueError(
+                f"pipeline_parallel_size={dims.pipeline} with context_parallel_size={dims.context}: a pipeline "
+                "does not split sequences yet; choose one of them (tensor parallel composes with either)"
+            )
         if dims.pipeline > 1:
             self.pipeline = PipelineParallel(
                 dims.pipeline,

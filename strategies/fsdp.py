@@ -37,7 +37,9 @@ class FSDPStrategy(Strategy):
         activation_checkpointing: which modules recompute their activations in backward instead of storing them
             (torch's non-reentrant checkpoint): the same forms as `auto_wrap_policy`; `None` for none.
         reshard_after_forward: free each unit's gathered parameters after its forward (gathered again for
-            backward); `False` keeps them until backward: one all-gather per unit less, for more memory.
+            backward); `False` keeps them until backward: one all-gather per unit less, for more memory. `None`
+            (the default): `True`, and `False` under pipeline parallel (as torchtitan: a stage's units stay
+            gathered from a micro-batch's forward to its backward).
         mixed_precision: a `MixedPrecision`: units are gathered and compute in its `param_dtype` and gradients
             are reduced in its `reduce_dtype`; the master shards and optimizer state stay in the parameters' own
             dtype. `None` for no mixed precision.
@@ -81,7 +83,7 @@ class FSDPStrategy(Strategy):
         auto_wrap_policy: Any = None,
         cpu_offload: bool = False,
         activation_checkpointing: Any = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         mixed_precision: MixedPrecision | None = None,
         activation_offload: bool = False,
         hybrid_shard: int | str | None = None,
@@ -112,7 +114,7 @@ class FSDPStrategy(Strategy):
         # Same forms as auto_wrap_policy: a set of classes, a minimum size or a callable.
         self.activation_checkpointing = resolve_wrap_policy(activation_checkpointing, "activation_checkpointing")
         for name, value in [
-            ("reshard_after_forward", reshard_after_forward),
+            ("reshard_after_forward", True if reshard_after_forward is None else reshard_after_forward),
             ("cpu_offload", cpu_offload),
             ("activation_offload", activation_offload),
         ]:
@@ -133,11 +135,18 @@ class FSDPStrategy(Strategy):
             self._init_record = record
             yield
 
+    @property
+    def reshards_after_forward(self) -> bool:
+        """reshard_after_forward as it applies: as given, or by default `True` and `False` under a pipeline."""
+        if self.reshard_after_forward is not None:
+            return self.reshard_after_forward
+        return self.pipeline_parallel_size == 1
+
     def engine_options(self) -> dict[str, Any]:
         options = UnitOptions(self.mixed_precision.param_dtype, self.mixed_precision.reduce_dtype, self.cpu_offload)
         return {
             "wrap_policy": self.auto_wrap_policy,
-            "reshard_after_forward": self.reshard_after_forward,
+            "reshard_after_forward": self.reshards_after_forward,
             "unit_options": options,
             "shard_group_size": shard_group_size(self.hybrid_shard, self.data_parallel_size),
             "forward_context": self._offload_activations if self.activation_offload else None,
@@ -179,6 +188,6 @@ class FSDPStrategy(Strategy):
 
     def __repr__(self) -> str:
         return (
-            f"FSDPStrategy(reshard_after_forward={self.reshard_after_forward}, cpu_offload={self.cpu_offload}, "
+            f"FSDPStrategy(reshard_after_forward={self.reshards_after_forward}, cpu_offload={self.cpu_offload}, "
             f"mixed_precision={self.mixed_precision})"
         )

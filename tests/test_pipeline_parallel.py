@@ -196,3 +196,115 @@ def test_a_checkpoint_resumes_under_another_pipeline_layout(rank_pool, tmp_path)
     results["from one process"] = rank_pool(2).run(body_checkpoint, single, 2, False)[0]
     for key, got in results.items():
         assert max_relative_difference(got, want) <= TOLERANCE, key
+
+
+def body_checkpointing_and_bf16() -> dict | None:
+    out = {}
+    for precision in ("32", "bf16-mixed"):
+        strategy = strategy_of("fsdp", 2, "Interleaved1F1B", activation_checkpointing={Block})
+        out[precision] = fit(PipelinedLlama(), strategy, 2, precision=precision).strategy.full_state_dict()
+    return out if is_rank_zero() else None
+
+
+def test_activation_checkpointing_and_bf16_mixed_under_a_pipeline(rank_pool):
+    """Recomputed blocks inside the schedule's backward; bf16-mixed autocasts every stage's forward, and stays as
+    close to fp32 as one process's bf16-mixed run."""
+    results = rank_pool(2).run(body_checkpointing_and_bf16)[0]
+    fp32 = one_process().strategy.full_state_dict()
+    assert max_relative_difference(results["32"], fp32) <= TOLERANCE
+    bf16 = one_process(precision="bf16-mixed").strategy.full_state_dict()
+    rounding = max_relative_difference(bf16, fp32)
+    assert rounding > 1e-3  # bf16 really was used
+    assert max_relative_difference(results["bf16-mixed"], bf16) <= rounding
+
+
+class NoLoss(PipelinedLlama):
+    pipeline_loss = None
+
+
+class CallsEverything(PipelinedLlama):
+    def forward(self, tokens):
+        return self.model.output(self.model.norm(self.model.tok_embeddings(tokens)))
+
+
+def body_bad_input(case: str) -> str:
+    options = {
+        "split name": dict(pipeline_split=[["model.tok_embeddings", "model.layers.0"], ["model.layer.1"]]),
+        "split left out": dict(pipeline_split=[["model.tok_embeddings", "model.layers.0"], ["model.layers.1"]]),
+        "microbatches": dict(pipeline_microbatches=1),
+        "indivisible": dict(pipeline_microbatches=3),
+    }.get(case, {})
+    module = {"no loss": NoLoss, "calls everything": CallsEverything}.get(case, PipelinedLlama)()
+    with pytest.raises((ValueError, TypeError)) as error:
+        fit(module, strategy_of("ddp", 2, **options), 2, steps=1)
+    return str(error.value)
+
+
+def test_bad_pipeline_input_names_the_argument(rank_pool):
+    with pytest.raises(ValueError, match="pipeline_parallel_size=0; choose a positive int"):
+        DDPStrategy(pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="pipeline_schedule='1f1b'; choose one of"):
+        FSDPStrategy(pipeline_parallel_size=2, pipeline_schedule="1f1b")
+    with pytest.raises(ValueError, match="pipeline_microbatches=0; choose a positive int"):
+        ZeroStrategy(pipeline_microbatches=0)
+    cases = ["size", "split name", "split left out", "microbatches", "indivisible", "no loss"]
+    messages = {case: rank_pool(2).run(body_bad_input_or_size, case)[0] for case in cases}
+    assert "pipeline_parallel_size=3 (3) does not divide the 2 ranks" in messages["size"]
+    assert "stage 1 names 'model.layer.1', which is not a module of the model" in messages["split name"]
+    assert "no stage holds ['model.layers.2" in messages["split left out"]
+    assert (
+        "pipeline_microbatches=1: pipeline_schedule='1F1B' over 2 stages on 2 ranks needs at least 2"
+        in (messages["microbatches"])
+    )
+    assert "a batch of 4 samples does not divide into 3 micro-batches" in messages["indivisible"]
+    assert "has no pipeline_loss(output, target)" in messages["no loss"]
+
+
+def test_a_forward_that_calls_a_module_its_stage_lacks_says_so():
+    """Two stages on one rank (no other rank to wait for): the first stage's view runs a forward that calls the
+    head, which only the second stage holds."""
+    from strategies.pipeline_parallel import PipelineParallel
+
+    pipeline = PipelineParallel(1, 0, "Interleaved1F1B", 2, None, None, torch.device("cpu"))
+    module = CallsEverything()
+    pipeline.cut(module)
+    assert pipeline.split[0][0] == "model.tok_embeddings" and pipeline.split[1][-1] == "model.output"
+    assert pipeline.views[0].model.output is None and pipeline.views[1].model.tok_embeddings is None
+    assert sorted(module.state_dict()) == sorted(CallsEverything().state_dict())  # the rank holds both stages
+    with pytest.raises(TypeError, match="called a module that this rank's stage does not hold"):
+        pipeline.forward(torch.zeros(2, SEQ, dtype=torch.long))
+
+
+def body_bad_input_or_size(case: str) -> str:
+    if case != "size":
+        return body_bad_input(case)
+    with pytest.raises(ValueError) as error:
+        fit(PipelinedLlama(), strategy_of("ddp", 3), 2, steps=1)
+    return str(error.value)
+
+
+def body_memory(name: str) -> dict:
+    trainer = fit(PipelinedLlama(), strategy_of(name, 2), dist.get_world_size(), steps=1)
+    report = trainer.strategy.memory_report()
+    return {kind: report[kind] for kind in ("parameters", "gradients", "optimizer_state")}
+
+
+def test_the_plan_counts_the_largest_stage_as_the_engine_holds_it(rank_pool):
+    """plan_memory at pipeline_parallel=2: the model state of the pipeline rank with the most parameters, sharded
+    over its data-parallel ranks, equals the largest the engine reports on any rank (pp 2 x dp 2); fsdp's units
+    stay gathered under a pipeline, and the activations are those of the micro-batches 1F1B keeps."""
+    from strategies.plan import plan_memory
+
+    with torch.device("meta"):
+        model = PipelinedLlama()
+    plan = plan_memory(model, world_size=4, batch_size=BATCH, seq_len=SEQ, wrap_policy={Block}, pipeline_parallel=2)
+    for name in ("ddp", "zero2", "fsdp"):
+        reports = rank_pool(4).run(body_memory, name)
+        row = plan.strategies[name]
+        assert row.parameters == max(r["parameters"] for r in reports), name
+        assert row.optimizer == max(r["optimizer_state"] for r in reports), name
+    whole = plan_memory(model, world_size=4, batch_size=BATCH, seq_len=SEQ, wrap_policy={Block})
+    assert plan.strategies["fsdp"].units_in_flight > whole.strategies["fsdp"].units_in_flight / 2
+    assert plan.activations < whole.activations
+    with pytest.raises(ValueError, match="pipeline_microbatches=3"):
+        plan_memory(model, world_size=4, batch_size=BATCH, seq_len=SEQ, pipeline_parallel=2, pipeline_microbatches=3)

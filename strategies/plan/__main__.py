@@ -59,6 +59,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
         "sequence's; default 1",
     )
     p.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        metavar="P",
+        help="cut the model into P pipeline stages, one rank's each (--batch-size is a pipeline's batch); default 1",
+    )
+    p.add_argument("--pipeline-schedule", default="1F1B", help="with --pipeline-parallel: torch's schedule's name")
+    p.add_argument(
+        "--pipeline-microbatches", type=int, metavar="M", help="micro-batches per batch (default: one per stage)"
+    )
+    p.add_argument(
         "--tensor-parallel-plan",
         metavar="MODULE:FUNCTION",
         help="with --tensor-parallel: a function of the model returning its plan, {module path: ParallelStyle}, "
@@ -231,6 +242,9 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint_mode=args.ac_mode,
             tensor_parallel=args.tensor_parallel,
             context_parallel=args.context_parallel,
+            pipeline_parallel=args.pipeline_parallel,
+            pipeline_schedule=args.pipeline_schedule,
+            pipeline_microbatches=args.pipeline_microbatches,
             tensor_parallel_plan=plan_function,
         )
     except ValueError as error:

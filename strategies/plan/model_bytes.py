@@ -162,7 +162,9 @@ def _unit_bytes(
     return layout.padded_total * unit.compute_dtype.itemsize, gradients, optimizer
 
 
-def units_in_flight(units: list[PlannedUnit], spec: ShardingSpec, step: StepActivations | None = None) -> int:
+def units_in_flight(
+    units: list[PlannedUnit], spec: ShardingSpec, step: StepActivations | None = None, keep_gathered: bool = False
+) -> int:
     """Unsharded buffers that exist only during the step. fsdp: the root's gathered parameters (held for the whole
     step), the two largest other units' (one computing, one prefetched), and the unreduced gradients. zero2: the
     unreduced gradients. ddp and zero1: none (gradients go straight into their buckets). Unreduced gradients
@@ -174,6 +176,8 @@ def units_in_flight(units: list[PlannedUnit], spec: ShardingSpec, step: StepActi
         unreduced = gradients_in_flight(units, step)
     else:
         unreduced = max(grads, default=0) if spec.shard_parameters else sum(sorted(grads)[-UNREDUCED_BUCKETS:])
+    if spec.shard_parameters and keep_gathered:
+        return sum(full.values()) + unreduced
     if spec.shard_parameters:
         root = sum(full[id(u)] for u in units if u.name == "")
         others = sorted((full[id(u)] for u in units if u.name != ""), reverse=True)[:PREFETCHED_UNITS]
@@ -277,12 +281,15 @@ def model_state_bytes(
     optimizer: str = "adamw",
     foreach: bool | None = None,
     step: StepActivations | None = None,
+    keep_gathered: bool = False,
 ) -> StrategyMemory:
     """Bytes on `rank` (default: the rank that holds the most) with state sharded over `world_size` ranks
     (a hybrid layout would pass its shard group's size). Reads only shapes, dtypes and requires_grad: `model`
     may live on the meta device. `activations` and `temporaries` are left 0. `foreach`: whether the optimizer
     steps with torch's foreach kernels (default: as torch chooses here, for CUDA tensors). `step`: the timeline
-    of the pass activations.py makes, by which sharded gradients are counted as the engine holds them."""
+    of the pass activations.py makes, by which sharded gradients are counted as the engine holds them.
+    `keep_gathered`: fsdp's units stay gathered from forward to backward (reshard_after_forward=False, the default
+    under a pipeline): every unit's full parameters are in flight."""
     states = check_optimizer(optimizer)
     if param_dtype is not None and param_dtype == next(model.parameters()).dtype:
         param_dtype = None  # nothing to cast: no separate master copy
@@ -307,7 +314,7 @@ def model_state_bytes(
         parameters,
         gradients,
         optimizer_bytes,
-        units_in_flight(units, spec, step),
+        units_in_flight(units, spec, step, keep_gathered),
         0,
         gradients_between_steps=not spec.shard_gradients,
         optimizer_step=step_bytes,

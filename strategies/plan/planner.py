@@ -22,6 +22,7 @@ from .compute import AC_MODES, compute_cost
 from .forecast import Topology, forecast_step
 from .hardware import Hardware, default_hardware, get_hardware
 from .model_bytes import OPTIMIZER_STATES, check_optimizer, model_state_bytes, optimizer_kind, plan_units
+from .pipeline import check_microbatches, in_flight, largest_stage, stage_activations
 from .report import STRATEGY_ORDER, MemoryPlan, StepForecast
 from .sizes import format_bytes, parse_bytes
 from .tensor_parallel import TensorParallelCollectives, resolve_plan, split_for_one_rank, with_collectives
@@ -91,7 +92,7 @@ def _planning_copy(
 
 
 def _check(
-    world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str, tp: int, cp: int = 1
+    world_size: int, nodes: int, batch_size: int, seq_len: int | None, precision: str, tp: int, cp: int = 1, pp: int = 1
 ) -> None:
     checked = (
         ("world_size", world_size),
@@ -99,6 +100,7 @@ def _check(
         ("batch_size", batch_size),
         ("tensor_parallel", tp),
         ("context_parallel", cp),
+        ("pipeline_parallel", pp),
     )
     for name, value in checked:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -110,10 +112,10 @@ def _check(
             f"tensor_parallel={tp} does not divide world_size={world_size}: the ranks are groups of {tp} "
             "tensor-parallel ranks"
         )
-    if world_size % (tp * cp):
+    if world_size % (tp * cp * pp):
         raise ValueError(
-            f"tensor_parallel={tp} x context_parallel={cp} does not divide world_size={world_size}: the ranks are "
-            f"groups of {tp * cp} that train one batch together"
+            f"tensor_parallel={tp} x context_parallel={cp} x pipeline_parallel={pp} does not divide "
+            f"world_size={world_size}: the ranks are groups of {tp * cp * pp} that train one batch together"
         )
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len={seq_len!r} is not valid; use a positive int or None")
@@ -174,6 +176,9 @@ def plan_memory(
     tensor_parallel: int = 1,
     tensor_parallel_plan: Any = None,
     context_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    pipeline_schedule: str = "1F1B",
+    pipeline_microbatches: int | None = None,
 ) -> MemoryPlan:
     """Bytes per rank for every strategy. `model` (an nn.Module or TrainModule, best built on the meta device) is
     not changed. `batch_size` and `seq_len` are per rank (seq_len defaults to the model config's); `param_dtype`
@@ -199,16 +204,21 @@ def plan_memory(
     `context_parallel` > 1 splits each sequence (`seq_len`, the whole sequence's) over that many ranks, which read
     the same samples ("ulysses", strategies/context_parallel.py): activations and compute are one rank's part of
     the sequence, attention all of it for 1/C of the heads with the buffers its all-to-alls hold, the model state
-    is sharded over the data-parallel x context-parallel ranks, and the forecast adds the all-to-alls."""
-    _check(world_size, nodes, batch_size, seq_len, precision, tensor_parallel, context_parallel)
+    is sharded over the data-parallel x context-parallel ranks, and the forecast adds the all-to-alls.
+
+    `pipeline_parallel` > 1 cuts the model into stages as the strategies do (`pipeline_schedule`, its
+    `pipeline_microbatches`, default one per stage): the model state is that of the pipeline rank holding the most
+    parameters, sharded over its data-parallel ranks, and the activations those of the micro-batches its schedule
+    keeps in flight (strategies/plan/pipeline.py). There is no step-time forecast under a pipeline yet."""
+    _check(world_size, nodes, batch_size, seq_len, precision, tensor_parallel, context_parallel, pipeline_parallel)
     if checkpoint_mode not in AC_MODES:
         raise ValueError(f"checkpoint_mode={checkpoint_mode!r} is not valid; choose one of {list(AC_MODES)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not valid; choose one of {list(SCHEDULES)}")
     hardware = get_hardware(hardware) if hardware is not None else default_hardware()
     tp = _tensor_parallel(model, tensor_parallel, tensor_parallel_plan)
-    cp = context_parallel
-    data_ranks = world_size // tp.size  # the ranks that shard the model state: data-parallel x context-parallel
+    cp, pp = context_parallel, pipeline_parallel
+    data_ranks = world_size // (tp.size * pp)  # the ranks that shard a stage's state: data-parallel x context-parallel
     per_node = data_ranks // nodes  # of them on one node: hsdp shards over them by default
     group = hybrid_shard if hybrid_shard is not None else (per_node if nodes > 1 and per_node > 1 else None)
     if group is not None and (not isinstance(group, int) or group < 1 or data_ranks % group):
@@ -216,9 +226,14 @@ def plan_memory(
     meta, _ = _planning_copy(model, precision, tp)
     if not any(True for _ in meta.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters to plan")
-    optimizer = optimizer if optimizer is not None else _optimizer_of(meta)
+    micro, held, share, whole = batch_size, 1, 1.0, meta
+    if pp > 1:  # one stage's state; the activations of one micro-batch, of the stage's share, held at once
+        meta, share = largest_stage(meta, pp, pipeline_schedule)
+        microbatches = check_microbatches(pipeline_schedule, pp, pipeline_microbatches, batch_size)
+        micro, held, forecast = batch_size // microbatches, in_flight(pipeline_schedule, pp, microbatches), False
+    optimizer = optimizer if optimizer is not None else _optimizer_of(whole)
     check_optimizer(optimizer)
-    seq_len = seq_len if seq_len is not None else default_seq_len(meta)
+    seq_len = seq_len if seq_len is not None else default_seq_len(whole)
     if cp > 1:
         seq_len, sample = _one_part(seq_len, sample, cp)
     part = seq_len // cp if seq_len is not None else None  # one rank's part of each sequence
@@ -232,7 +247,7 @@ def plan_memory(
     with planned_attention(cp) if cp > 1 else nullcontext():
         step = step_activations(
             _planning_copy(model, precision, tp)[0],
-            batch_size,
+            micro,
             part,
             precision,
             param_dtype,
@@ -240,6 +255,8 @@ def plan_memory(
             sample,
             selective=checkpoint_mode == "selective",
         )
+    if pp > 1:
+        step = stage_activations(step, share, held)
     rows = {
         name: model_state_bytes(
             meta,
@@ -251,6 +268,7 @@ def plan_memory(
             optimizer=optimizer,
             foreach=foreach,
             step=step,
+            keep_gathered=pp > 1,  # fsdp's default under a pipeline: units stay gathered until their backward
         )
         for name, ranks in shard_over.items()
     }
@@ -281,13 +299,15 @@ def plan_memory(
         )
     )
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
-    params = sum(p.numel() for p in meta.parameters())
+    params = sum(p.numel() for p in meta.parameters())  # (a stage's, under a pipeline)
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
     split = f" ({tp.size} tensor-parallel x {data_ranks} data-parallel)" if tp.size > 1 else ""
     if cp > 1:
         split = f" ({tp.size} tensor-parallel x {cp} context-parallel x {data_ranks // cp} data-parallel)"
+    if pp > 1:
+        split = f" ({pp} pipeline stages of {tp.size} tensor-parallel x {data_ranks} data-parallel)"
     description = [
-        f"memory plan of {type(model).__name__} ({params / 1e6:,.1f}M parameters{' per rank' * (tp.size > 1)}) on "
+        f"memory plan of {type(model).__name__} ({params / 1e6:,.1f}M parameters{' per rank' * (tp.size * pp > 1)}) on "
         f"{world_size} rank(s){split}, {nodes} node(s); per rank: batch {batch_size}"
         + (f" x {seq_len}" if seq_len else "")
         + (f" (each rank {part} of it)" if cp > 1 else "")
@@ -298,6 +318,12 @@ def plan_memory(
         + ("; activation checkpointing by its policy" if activation_checkpointing is not None else "")
         + (" (selective: torchtitan's per-op policy)" if checkpoint_mode == "selective" else ""),
     ]
+    if pp > 1:
+        description.append(
+            f"pipeline {pipeline_schedule}, {batch_size // micro} micro-batches of {micro}: the rank holding the most "
+            f"parameters ({share:.0%} of the blocks), {held} micro-batches' activations in flight; no step-time "
+            "forecast under a pipeline yet"
+        )
     if forecast:
         description.append(
             f"step time on {hardware.name}, {world_size // nodes} rank(s) per node (what the profile "

@@ -9,8 +9,8 @@ import torch
 
 from ..data.loaders import limit_batches
 from ..module import TrainModule
-from ..pipeline_steps import evaluation_step
 from ..state import move_to_device
+from .pipeline_steps import evaluation_step
 from .steps import run_steps
 
 if TYPE_CHECKING:

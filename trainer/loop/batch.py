@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from ..data.uneven import Lookahead
 from ..evaluation.evaluate import log_metrics, to_step
-from ..pipeline_steps import log_all, per_step, recorded_logs
+from ..evaluation.pipeline_steps import log_all, per_step, recorded_logs
 from .agreement import Agreement, agree
 from .nonfinite import nonfinite_losses
 from .optimizers import check_closure_step, needs_closure, step_schedulers
@@ -59,6 +59,8 @@ class TrainingBatch:
         )
         if self.steps_with_closure:
             check_closure_step(self.optimizer, trainer.accumulate_grad_batches, trainer.precision.scaler)
+        if self.strategy.pipeline is not None:
+            check_pipeline_step(self.module, trainer.precision.scaler, self.steps_with_closure)
 
     def run(self, batch: Any, batch_idx: int) -> None:
         t = self.trainer
@@ -249,6 +251,26 @@ class TrainingBatch:
             self._nonfinite(f"gradient norm ({float(norm)}, over every rank)", batch_idx)
             return False
         return True
+
+
+def check_pipeline_step(module: Any, scaler: Any, with_closure: bool) -> None:
+    """What a pipeline's schedule cannot run: it owns forward and backward, so training_step's own backward
+    (manual optimization), a loss scaler's scaling (16-mixed) and a step that evaluates the loss itself (LBFGS)."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            "pipeline_parallel_size > 1 with manual optimization: the pipeline's schedule runs forward and backward "
+            "itself; use automatic optimization (the module's pipeline_loss gives the loss)"
+        )
+    if scaler is not None:
+        raise ValueError(
+            'precision="16-mixed" with pipeline_parallel_size > 1: the loss scaling is not applied inside the '
+            'pipeline\'s schedule; use precision="bf16-mixed" (no scaling needed) or "32"'
+        )
+    if with_closure:
+        raise ValueError(
+            "pipeline_parallel_size > 1 with an optimizer that evaluates the loss in its step (LBFGS): choose "
+            "another optimizer, or train without a pipeline"
+        )
 
 
 @contextmanager

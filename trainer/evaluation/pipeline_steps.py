@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .state import move_to_device
+from ..state import move_to_device
 
 _LOG_ARGUMENTS = ("prog_bar", "on_step", "on_epoch", "sync_dist", "batch_size", "reduce_fx", "logger", "rank_zero_only")
 Record = tuple[str, torch.Tensor, dict[str, Any]]  # name, value, the other arguments of self.log
