@@ -208,15 +208,11 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-        if self.wte is not None:  # (under pipeline parallel a later stage gets the activations instead)
-            pos = sequence_positions(t, idx.device)  # arange(t), or this rank's part's under context parallel
-            x = self.drop(self.wte(idx) + self.wpe(pos))
-        else:
-            x = idx
+        pos = sequence_positions(t, idx.device)  # arange(t), or this rank's part's under context parallel
+        x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)
-        x = self.ln_f(x) if self.ln_f is not None else x
-        return self.lm_head(x) if self.lm_head is not None else x
+        return self.lm_head(self.ln_f(x))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 40):
@@ -279,23 +275,15 @@ class GPTModule(TrainModule):
         x = torch.randint(0, self.config.vocab_size, (batch_size, seq_len or self.config.block_size))
         return x, x
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
-
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
-        logits = self(x)
+        logits = self.model(x)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
 
-    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The loss of a batch's logits (under pipeline parallel: the last stage's, for each micro-batch)."""
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return self.pipeline_loss(self(x), y)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)

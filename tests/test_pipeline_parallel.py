@@ -11,13 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.llama import LLAMA_PRESETS, Block, Llama
 from strategies import DDPStrategy, FSDPStrategy, ZeroStrategy
 from tests.test_parity import max_relative_difference
 from trainer import Trainer, TrainModule
-from trainer.checkpoint import load_full_state_dict
+from trainer.checkpoint import consolidate, export_safetensors, load_full_state_dict
 
 SEQ, VOCAB, BATCH, STEPS = 16, 64, 4, 3
 TOLERANCE = 1e-4  # AdamW, as tests/test_parity.py
@@ -179,12 +180,20 @@ def body_checkpoint(path: str, pp: int, saving: bool, name: str = "fsdp") -> dic
 def test_a_checkpoint_resumes_under_another_pipeline_layout(rank_pool, tmp_path):
     """Checkpoints are keyed by the model's own names (stages keep them; the optimizer's state too): saved at
     pp 2, resumed by one process, by plain fsdp on 2 ranks, at pp 4 and under zero2 at pp 2; saved by one process,
-    resumed at pp 2; load_full_state_dict reads the whole model from the pp 2 checkpoint."""
+    resumed at pp 2; load_full_state_dict, the one-file checkpoint and the safetensors export give the whole model
+    from the pp 2 checkpoint."""
     want = one_process().strategy.full_state_dict()
     pp2 = str(tmp_path / "pp2")
     rank_pool(2).run(body_checkpoint, pp2, 2, True)
     whole = load_full_state_dict(pp2)
     assert sorted(whole) == sorted(PipelinedLlama().state_dict())
+    consolidate(pp2, str(tmp_path / "one.pt"))  # the one-file checkpoint and the safetensors export: every stage
+    export_safetensors(pp2, str(tmp_path / "exported"))
+    exported = {}
+    for file in sorted((tmp_path / "exported").glob("*.safetensors")):
+        exported.update(load_file(file))
+    for got in (torch.load(tmp_path / "one.pt", weights_only=True), exported):
+        assert sorted(got) == sorted(whole) and all(torch.equal(got[k], whole[k]) for k in whole)
     results = {
         "one process": body_checkpoint(pp2, 1, False),
         "fsdp 2": rank_pool(2).run(body_checkpoint, pp2, 1, False)[0],

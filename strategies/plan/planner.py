@@ -113,9 +113,10 @@ def _check(
             "tensor-parallel ranks"
         )
     if world_size % (tp * cp * pp):
+        with_pipeline = f" x pipeline_parallel={pp}" if pp > 1 else ""
         raise ValueError(
-            f"tensor_parallel={tp} x context_parallel={cp} x pipeline_parallel={pp} does not divide "
-            f"world_size={world_size}: the ranks are groups of {tp * cp * pp} that train one batch together"
+            f"tensor_parallel={tp} x context_parallel={cp}{with_pipeline} does not divide world_size={world_size}: "
+            f"the ranks are groups of {tp * cp * pp} that train one batch together"
         )
     if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
         raise ValueError(f"seq_len={seq_len!r} is not valid; use a positive int or None")
