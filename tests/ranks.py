@@ -33,6 +33,8 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+# Eight workers importing torch on two busy cores can take minutes; a group joins only once all of them have.
+_START_TIMEOUT = 300.0
 
 
 class RankFailure(RuntimeError):
@@ -79,7 +81,6 @@ class RankPool:
         import torch.distributed as dist
 
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_GROUP_TIMEOUT)
-        self._generation = 0
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         for rank in range(self.world_size):
@@ -95,10 +96,14 @@ class RankPool:
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
-        replies = self._collect(_GROUP_TIMEOUT.total_seconds())
-        if len(replies) < self.world_size or any(reply[0] != "ok" for reply in replies.values()):
+        imported = self._collect(_START_TIMEOUT)
+        self._generation = -1  # the first group is generation 0
+        if len(imported) < self.world_size or any(reply[0] != "ok" for reply in imported.values()):
             self._kill()
-            raise RuntimeError(f"the rank pool of {self.world_size} did not start: {replies}")
+            raise RuntimeError(f"the rank pool of {self.world_size} did not import torch: {imported}")
+        if not self._reset_group():
+            self._kill()
+            raise RuntimeError(f"the rank pool of {self.world_size} did not join a process group")
 
     def _collect(self, timeout: float) -> dict[int, tuple]:
         """Replies by rank; stop waiting `straggler_timeout` seconds after the first failure."""
@@ -243,8 +248,7 @@ def _worker(rank: int, world_size: int, store_port: int, conn_fd: int, parent_pi
     torch.set_num_threads(1)
     conn = Connection(conn_fd)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=_GROUP_TIMEOUT)
-    _init_group(store, rank, world_size, 0)
-    conn.send(("ok", None))
+    conn.send(("ok", None))  # imported; the pool sends the first "reset" once every rank has
     while True:
         try:
             kind, payload = conn.recv()

@@ -100,6 +100,18 @@ def new_mlp(optimizer: str, seed: int = 0, **kwargs) -> MLP:
     return MLP(optimizer, bias=optimizer != "muon", **kwargs)
 
 
+def compared_dtype(optimizer: str) -> torch.dtype:
+    """The dtype a run compared with one process trains in: float64 for Muon. Its step orthogonalises in bf16,
+    where one float32 ulp of difference in a gradient (ranks sum it in another order than one process) moves the
+    update by up to 10% (the Newton-Schulz steps blow up a small singular direction's rounding); a float64
+    gradient's difference is far below bf16's rounding, so the step's bf16 input, and its result, are the same."""
+    return torch.float64 if "muon" in optimizer else torch.float32
+
+
+def compared_mlp(optimizer: str) -> MLP:
+    return new_mlp(optimizer).to(compared_dtype(optimizer))
+
+
 def dataset(samples: int = 48, dtype: torch.dtype = torch.float32) -> TensorDataset:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(samples, IN, generator=g, dtype=torch.float64).to(dtype)
@@ -129,15 +141,14 @@ def run(
     **kwargs,
 ) -> Trainer:
     """`steps` optimizer steps of `accumulate` batches each, clipped at norm `clip` (resumed from `ckpt_path`)."""
-    dtype = next(module.parameters(), torch.empty(0)).dtype  # (a module built in configure_model has none yet)
-    data = dataset(dtype=dtype)
+    data = dataset(dtype=module.built_dtype if isinstance(module, SplitMLP) else next(module.parameters()).dtype)
     options = dict(clip=clip, accumulate=accumulate, ckpt_path=ckpt_path, enable_model_summary=False)
     return fit(module, strategy, devices, batch_size, steps, data, **options, **kwargs)
 
 
 def single(optimizer: str, world: int, module: MLP | None = None, **kwargs) -> dict[str, torch.Tensor]:
     """One process on the global batch of `world` ranks."""
-    module = new_mlp(optimizer) if module is None else module
+    module = compared_mlp(optimizer) if module is None else module
     return run(module, "single", 1, PER_RANK_BATCH * world, **kwargs).strategy.full_state_dict()
 
 
@@ -152,7 +163,7 @@ def body_every_strategy(optimizers: list[str], strategies: list[str], trainer_kw
     out = {}
     for optimizer in optimizers:
         for name in strategies:
-            trainer = run(new_mlp(optimizer), per_layer(name), dist.get_world_size(), **(trainer_kwargs or {}))
+            trainer = run(compared_mlp(optimizer), per_layer(name), dist.get_world_size(), **(trainer_kwargs or {}))
             assert trainer.global_step == STEPS
             out[(optimizer, name)] = trainer.strategy.full_state_dict()
     return out if is_rank_zero() else None
@@ -230,11 +241,13 @@ class SplitMLP(MLP):
     def __init__(self, optimizer: str) -> None:
         super().__init__(optimizer, bias=optimizer != "muon")
         self.l1 = self.l2 = None
+        self.built_dtype = compared_dtype(optimizer)
 
     def configure_model(self) -> None:
         torch.manual_seed(0)
-        self.l1 = nn.Linear(IN, HIDDEN, bias=self.optimizer_name != "muon")
-        self.l2 = nn.Linear(HIDDEN, OUT, bias=self.optimizer_name != "muon")
+        bias = self.optimizer_name != "muon"
+        self.l1 = nn.Linear(IN, HIDDEN, bias=bias).to(self.built_dtype)  # drawn as new_mlp draws them
+        self.l2 = nn.Linear(HIDDEN, OUT, bias=bias).to(self.built_dtype)
         if self.trainer.strategy.tensor_parallel_size > 1:
             plan = {"l1": ColwiseParallel(), "l2": RowwiseParallel()}
             parallelize_module(self, self.device_mesh["tensor_parallel"], plan)
@@ -245,7 +258,7 @@ def body_four_ranks(optimizers: list[str]) -> dict | None:
     out = {}
     for optimizer in optimizers:
         for name in ("hsdp", "zero2-hybrid"):
-            trainer = run(new_mlp(optimizer), per_layer(name), 4)
+            trainer = run(compared_mlp(optimizer), per_layer(name), 4)
             assert trainer.strategy.engine.groups.hybrid
             out[(optimizer, name)] = trainer.strategy.full_state_dict()
         for name, cls in (("ddp", DDPStrategy), ("zero1", ZeroStrategy), ("zero2", ZeroStrategy), ("fsdp", None)):
@@ -298,7 +311,7 @@ class MuonAndAdamW(MLP):
 
 def new_muon_and_adamw() -> MuonAndAdamW:
     torch.manual_seed(0)
-    return MuonAndAdamW()
+    return MuonAndAdamW().to(compared_dtype("muon"))
 
 
 def body_muon_and_adamw_and_bf16() -> dict | None:
