@@ -7,6 +7,8 @@
     python -m benchmarks.forecast --only tp-paper  # Llama 3.1 70B at tp 1-8, and torchtitan's FSDP 32 x TP 8 run
     python -m benchmarks.forecast --only cp      # context parallel 4 on 4 gloo ranks: calibrate, forecast, measure
     python -m benchmarks.forecast --only cp-paper  # Llama 3.1 8B at 32K-512K tokens on 8 and 32 H100, cp 1-8
+    python -m benchmarks.forecast --only pp      # pipeline parallel at 2 and 4 gloo ranks: calibrate, forecast, measure
+    python -m benchmarks.forecast --only pp-paper  # Llama 3.1 405B on 512 H100 as torchtitan's Table 5 ran it
 
 cpu: `--measure` calibrates a profile on this machine (one step of the 30m GPT with one thread, a gloo sweep over
 2 ranks), the plan forecasts ddp, zero2 and fsdp on 2 ranks for benchmarks/compare.py's 30m preset (batch 2 x 128
@@ -30,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -308,6 +311,89 @@ def context_parallel_paper_check() -> None:
                 )
 
 
+PIPELINE_RUNS = (  # (ranks, pipeline stages, strategy over each stage's ranks)
+    (2, 2, "ddp"),
+    (4, 2, "ddp"),
+    (4, 2, "fsdp"),
+    (4, 4, "ddp"),
+)
+
+
+def pipeline_check(rounds: int, microbatches: int = 4) -> None:
+    """Pipeline parallel on this machine: for each of PIPELINE_RUNS, calibrate a profile for its gloo ranks
+    (--measure, one step of the model at the micro-batch's size), forecast benchmarks/pipeline.py's Llama under
+    1F1B, measure its median step there (`rounds` trials), and compare."""
+    from benchmarks.pipeline import BATCH, CONFIG, SEQ, trial
+    from examples.llama import Block, Llama
+
+    with torch.device("meta"):
+        model = Llama(CONFIG)
+    rows = []
+    for ranks, stages, strategy in PIPELINE_RUNS:
+        args = SimpleNamespace(world_size=ranks, nodes=1, batch_size=BATCH, seq_len=SEQ, save_hardware=None)
+        args.pipeline_parallel, args.pipeline_schedule, args.pipeline_microbatches = stages, "1F1B", microbatches
+        profile = measure_hardware(model, args, HARDWARE["cpu"])
+        plan = plan_memory(
+            model,
+            world_size=ranks,
+            batch_size=BATCH,
+            seq_len=SEQ,
+            wrap_policy={Block},
+            hardware=profile,
+            pipeline_parallel=stages,
+            pipeline_schedule="1F1B",
+            pipeline_microbatches=microbatches,
+        )
+        times = [trial("ours", "1F1B", 6, microbatches, ranks, stages, strategy) for _ in range(rounds)]
+        rows.append((ranks, stages, strategy, plan.forecasts[strategy], statistics.median(times)))
+    print(
+        f"\n{CONFIG.n_layers}-layer Llama (dim {CONFIG.dim}), batch {BATCH} x {SEQ} tokens per data-parallel rank in "
+        f"{microbatches} micro-batches, 1F1B, AdamW fp32"
+    )
+    print("\n| ranks | layout | forecast step (s) | of which exposed comm (s) | measured median step (s) |"
+          " forecast / measured |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|")
+    for ranks, stages, strategy, f, measured in rows:
+        layout = f"pp {stages}" + (f" x {strategy} {ranks // stages}" if ranks > stages else "")
+        cells = f"{f.step_s:.3f} | {f.exposed_comm_s:.3f} | {measured:.3f} | {f.step_s / measured:.2f}"
+        print(f"| {ranks} | {layout} | {cells} |")
+
+
+TORCHTITAN_405B = {"1F1B": (100, 82.5), "Interleaved1F1B": (128, 72.7)}  # Table 5: TPS/GPU, memory GiB
+
+
+def pipeline_paper_check() -> None:
+    """Llama 3.1 405B on 512 H100 (nodes of 8) as torchtitan's Table 5 ran it: FSDP 8 x TP 8 x PP 8, local batch 32
+    of 8192 tokens in micro-batches of one, full activation checkpointing, bf16 parameters, fp32 reduce; under 1F1B
+    and Interleaved1F1B, beside its published TPS/GPU and memory."""
+    from examples.llama import LLAMA_PRESETS, Llama, tensor_parallel_plan
+
+    with torch.device("meta"):
+        model = Llama(LLAMA_PRESETS["3.1-405b"])
+    print("\n| schedule | planned memory per GPU | torchtitan's | step (s) | tokens/s per GPU | torchtitan's | "
+          "ratio | MFU | exposed comm (s) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for schedule, (tps, memory) in TORCHTITAN_405B.items():
+        plan = torchtitan_h100_plan(
+            model,
+            512,
+            32,
+            "engine",
+            tensor_parallel=8,
+            tensor_parallel_plan=tensor_parallel_plan,
+            pipeline_parallel=8,
+            pipeline_schedule=schedule,
+            pipeline_microbatches=32,
+        )
+        f, row = plan.forecasts["fsdp"], plan.strategies["fsdp"]
+        print(
+            f"| {schedule} | {row.total / 2**30:.1f} GiB | {memory} GiB | {f.step_s:.1f} | "
+            f"{f.tokens_per_s_per_rank:,.0f} | {tps} | {f.tokens_per_s_per_rank / tps:.2f} | {f.mfu:.1%} | "
+            f"{f.exposed_comm_s:.2f} |",
+            flush=True,
+        )
+
+
 class OneLayer(torch.nn.Module):
     """One Llama 3.1 8B decoder layer on a batch of hidden states: what the paper check's compute rests on."""
 
@@ -375,7 +461,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--only",
-        choices=["cpu", "tp", "cp", "paper", "tp-paper", "cp-paper", "layer"],
+        choices=["cpu", "tp", "cp", "pp", "paper", "tp-paper", "cp-paper", "pp-paper", "layer"],
         help="layer: on a GPU, one 8B decoder layer measured against its forecast (not run by default)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="compare.py's rounds for the measured steps")
@@ -397,6 +483,10 @@ def main() -> None:
         context_parallel_check()
     if args.only in (None, "cp-paper"):
         context_parallel_paper_check()
+    if args.only in (None, "pp"):
+        pipeline_check(args.rounds)
+    if args.only in (None, "pp-paper"):
+        pipeline_paper_check()
     if args.only == "layer":
         layer_check()
 

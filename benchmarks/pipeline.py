@@ -88,11 +88,15 @@ def worker(args: argparse.Namespace) -> None:
             optimizer.zero_grad()
 
     else:
-        from strategies import DDPStrategy
+        from examples.llama import Block
+        from strategies import DDPStrategy, FSDPStrategy
 
-        strategy = DDPStrategy(
-            pipeline_parallel_size=2, pipeline_schedule=args.schedule, pipeline_microbatches=args.microbatches
-        )
+        options = dict(pipeline_schedule=args.schedule, pipeline_microbatches=args.microbatches)
+        options["pipeline_parallel_size"] = args.pipeline
+        if args.strategy == "fsdp":
+            strategy = FSDPStrategy(auto_wrap_policy={Block}, **options)
+        else:
+            strategy = DDPStrategy(**options)
         model = strategy.setup_module(model)
         optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -116,21 +120,25 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def trial(impl: str, schedule: str, steps: int, microbatches: int) -> float:
-    """The median step of one 2-rank job, after its first two steps."""
+def trial(
+    impl: str, schedule: str, steps: int, microbatches: int, ranks: int = 2, pipeline: int = 2, strategy: str = "ddp"
+) -> float:
+    """The median step of one job of `ranks` ranks, after its first two steps. "ours" runs `pipeline` stages, each
+    spread over the ranks that remain by `strategy` ("ddp" or "fsdp", each Block a unit); "torch" runs 2 ranks."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         command = [sys.executable, "-m", "benchmarks.pipeline", "--worker", "--impl", impl, "--schedule", schedule]
         command += ["--steps", str(steps), "--microbatches", str(microbatches), "--out", out]
+        command += ["--pipeline", str(pipeline), "--strategy", strategy]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        env.update(WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
         procs = [
             subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE)
-            for r in range(2)
+            for r in range(ranks)
         ]
         errors = [p.communicate()[1].decode() for p in procs]
         if any(p.returncode for p in procs):
-            raise SystemExit(f"{impl} {schedule} failed:\n{errors[0][-3000:]}{errors[1][-3000:]}")
+            raise SystemExit(f"{impl} {schedule} failed:\n" + "".join(e[-3000:] for e in errors))
         with open(out) as f:
             return statistics.median(json.load(f)["times"][2:])
 
@@ -146,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impl", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--pipeline", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)

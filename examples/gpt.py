@@ -107,6 +107,7 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    tie_weights: bool = True  # the head is the token embedding (nanoGPT's); False gives a pipeline's last stage its own
 
 
 GPT_PRESETS: dict[str, GPTConfig] = {
@@ -183,7 +184,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """nanoGPT's model: token and position embeddings, pre-norm blocks, final norm, head tied to the input."""
+    """nanoGPT's model: token and position embeddings, pre-norm blocks, final norm, head tied to the input (unless
+    config.tie_weights is False)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -194,7 +196,8 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -205,14 +208,19 @@ class GPT(nn.Module):
             return GPT(config).num_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.config.block_size:
-            raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
-        pos = sequence_positions(t, idx.device)  # arange(t), or this rank's part's under context parallel
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        """The logits of the tokens `idx`. Under pipeline parallel a stage holds some of the modules, the others are
+        None and skipped: the first stage takes tokens, the later ones the activations of the stage before."""
+        x = idx
+        if self.wte is not None:
+            t = idx.shape[1]
+            if t > self.config.block_size:
+                raise ValueError(f"sequence length {t} exceeds block_size {self.config.block_size}")
+            pos = sequence_positions(t, idx.device)  # arange(t), or this rank's part's under context parallel
+            x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.h:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x) if self.ln_f is not None else x
+        return self.lm_head(x) if self.lm_head is not None else x
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, top_k: int = 40):
@@ -238,6 +246,10 @@ def gpt_100m() -> GPT:
 
 
 # --------------------------------------------------------------------------------------------- module
+
+
+def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
 class GPTModule(TrainModule):
@@ -275,18 +287,23 @@ class GPTModule(TrainModule):
         x = torch.randint(0, self.config.vocab_size, (batch_size, seq_len or self.config.block_size))
         return x, x
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        logits = self.model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss of the logits. Under pipeline parallel the schedule calls it on the last stage in
+        place of training_step (docs/strategies.md, "Deep models"), so it is what logs the loss."""
+        loss = next_byte_loss(logits, targets)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.pipeline_loss(self(x), y)
+
     def validation_step(self, batch, batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), prog_bar=True, sync_dist=True)
+        x, y = batch
+        self.log("val/loss", next_byte_loss(self(x), y), prog_bar=True, sync_dist=True)
 
     def lr_factor(self, step: int) -> float:
         if step < self.warmup_steps:

@@ -62,6 +62,16 @@ LLAMA_PRESETS: dict[str, LlamaConfig] = {
         max_seq_len=8192,
         rope_theta=500000.0,
     ),  # Llama 3.1 70B: 70.55B
+    "3.1-405b": LlamaConfig(
+        vocab_size=128256,
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        hidden_dim=53248,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),  # Llama 3.1 405B: 405.85B
 }
 
 

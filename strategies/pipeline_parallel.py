@@ -133,10 +133,8 @@ class PipelineParallel:
     # ---- the model's stages ---------------------------------------------------------------------------------
     def cut(self, module: nn.Module) -> None:
         """Keep this rank's stages of `module` in place (the other modules become None), and a view per stage."""
-        if self.given_split is None:
-            self.split = default_split(module, self.num_stages)
-        else:
-            self.split = check_split(module, self.given_split)
+        given = self.given_split if self.given_split is not None else default_split(module, self.num_stages)
+        self.split = check_split(module, given)  # (the default one too: a tied weight may straddle its stages)
         if not callable(getattr(module, "pipeline_loss", None)):
             raise TypeError(
                 f"pipeline_parallel_size={self.size}: {type(module).__name__} has no pipeline_loss(output, target); "

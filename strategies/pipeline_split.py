@@ -162,8 +162,8 @@ def _prune(module: nn.Module, keep: set[str], prefix: str, in_place: bool) -> nn
         out._modules = dict(module._modules)
     for name, child in list(module._modules.items()):
         full = prefix + name
-        if child is None:
-            continue
+        if child is None or not _holds_state(child):
+            continue  # a module without state (dropout, an activation) costs nothing: every stage keeps it
         if any(full == k or full.startswith(k + ".") for k in keep):
             continue  # held whole
         if any(k.startswith(full + ".") for k in keep):

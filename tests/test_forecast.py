@@ -211,3 +211,52 @@ def test_a_huggingface_model_is_planned_and_forecast_as_it_comes():
     )
     assert plan.activations > 0 and set(plan.forecasts) == {"ddp", "zero1", "zero2", "hsdp", "fsdp"}
     assert all(f.step_s > 0 and f.comm_s > 0 for f in plan.forecasts.values())
+
+
+def test_the_pipeline_forecast_has_each_schedules_bubble_and_its_transfers():
+    """Under a pipeline the step is the slowest rank's compute of one micro-batch M + (P - 1) / V times (V stages
+    per rank), then the optimizer; a slow link adds the activations sent between stages: on a GPU the pipeline's
+    fill and drain wait for them, on the CPU (nothing overlaps) every micro-batch's."""
+    from examples.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, dim=64, n_layers=8, n_heads=4, n_kv_heads=2, hidden_dim=176, max_seq_len=32)
+    with torch.device("meta"):
+        model = Llama(config)
+    free = with_changes(H100, intra_node=Link(1e30, 0.0), inter_node=Link(1e30, 0.0))
+    common = dict(world_size=4, batch_size=8, seq_len=32, pipeline_parallel=4)
+
+    def forecast(hardware, schedule="1F1B", microbatches=4):
+        plan = plan_memory(model, hardware=hardware, pipeline_schedule=schedule, pipeline_microbatches=microbatches,
+                           **common)  # fmt: skip
+        return plan.forecasts["ddp"]
+
+    for schedule, microbatches, slots in (("1F1B", 4, 4 + 3), ("GPipe", 8, 8 + 3), ("Interleaved1F1B", 4, 4 + 1.5)):
+        f = forecast(free, schedule, microbatches)
+        assert f.step_s - f.optimizer_s == pytest.approx(f.compute_s * slots / microbatches), schedule
+        assert f.exposed_comm_s == pytest.approx(0, abs=1e-12)
+    # every rank keeps the pace of the one computing the most: at least a quarter of the whole model's compute
+    whole = plan_memory(model, hardware=free, world_size=1, batch_size=2, seq_len=32).forecasts["ddp"]
+    assert forecast(free).compute_s / 4 >= whole.compute_s / 4
+    sent = 2 * 32 * config.dim * 4  # one micro-batch of 2 x 32 tokens of the residual stream, float32
+    link = Link(1e9, 1e-5)
+    one = sent / 1e9 + 1e-5
+    for hardware, transfers in (
+        (with_changes(free, intra_node=link), 2 * 3),
+        (with_changes(HARDWARE["cpu"], intra_node=link), 2 * 7),
+    ):
+        slow, fast = forecast(hardware), forecast(with_changes(hardware, intra_node=free.intra_node))
+        assert slow.step_s - fast.step_s == pytest.approx(transfers * one), hardware.name
+
+
+def test_ranks_of_a_pipeline_share_the_cores_only_while_they_compute():
+    """--measure on a CPU with more ranks than cores: under a pipeline, slot by slot, only the stages holding a
+    micro-batch compute (1F1B's fill and drain leave some waiting), so the ranks compute faster than their even
+    share of the cores."""
+    from strategies.plan.measure import pipeline_core_share
+    from strategies.plan.pipeline_forecast import PipelineShape
+
+    # pp 4, 4 micro-batches, 4 ranks on 2 cores: 1, 2, 3, 4, 3, 2, 1 stages at once over 7 slots, 9 slots long
+    assert pipeline_core_share(PipelineShape("1F1B", 4, 4), threads=4, cores=2) == pytest.approx(7 / 9)
+    # pp 2 x dp 2 on 2 cores: 2, 4, 4, 4, 2 ranks at once; the fill and drain at full speed
+    assert pipeline_core_share(PipelineShape("1F1B", 2, 4), threads=4, cores=2) == pytest.approx(5 / 8)
+    assert pipeline_core_share(PipelineShape("1F1B", 2, 4), threads=2, cores=2) == 1.0

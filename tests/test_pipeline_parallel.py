@@ -143,6 +143,43 @@ def test_pipeline_2_x_tensor_parallel_2(rank_pool):
         assert max_relative_difference(got, want) <= TOLERANCE, key
 
 
+def test_pipeline_2_x_data_parallel_2_x_tensor_parallel_2_on_eight_ranks(rank_pool):
+    """Every dimension at once: two stages, each over two data-parallel ranks sharding by fsdp (zero2 reducing
+    in buckets), each of those over two tensor-parallel ranks splitting its blocks."""
+    results = rank_pool(8).run(body_schedules, ["zero2", "fsdp"], ["1F1B"], 2, 2)[0]
+    want = one_process(data_parallel=2).strategy.full_state_dict()
+    for key, got in results.items():
+        assert max_relative_difference(got, want) <= TOLERANCE, key
+
+
+def gpt(tied: bool):
+    """The GPT example on the test's tokens; its head its own matrix unless `tied`. In float64: its AdamW's eps of
+    1e-8 turns float32's rounding of near-zero gradients (summed in another order than one process) into 1e-4."""
+    from examples.gpt import GPT, GPTConfig, GPTModule
+
+    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32, tie_weights=tied)
+    module = GPTModule(config, warmup_steps=1, max_steps=STEPS)
+    torch.manual_seed(0)
+    module.model = GPT(config).double()
+    return module
+
+
+def body_gpt() -> tuple[dict | None, str]:
+    state = fit(gpt(tied=False), strategy_of("ddp", 2), 2).strategy.full_state_dict()
+    with pytest.raises(ValueError) as tied:
+        fit(gpt(tied=True), strategy_of("ddp", 2), 2, steps=1)
+    return (state if is_rank_zero() else None), str(tied.value)
+
+
+def test_the_gpt_example_untied_is_pipeline_ready(rank_pool):
+    """examples/gpt.py with GPTConfig(tie_weights=False) at pp 2: one process's weights (its learning-rate schedule
+    too); tied, its head and embedding are one parameter that two stages cannot both hold, and the error says so."""
+    got, tied = rank_pool(2).run(body_gpt)[0]
+    want = fit(gpt(tied=False), "single", 1).strategy.full_state_dict()
+    assert max_relative_difference(got, want) <= TOLERANCE
+    assert "are one tied parameter; untie them" in tied
+
+
 def body_logged_and_evaluated() -> dict | None:
     trainer = fit(PipelinedLlama(), strategy_of("fsdp", 2, "Interleaved1F1B"), 2)
     logged = float(trainer.callback_metrics["train/loss"])
@@ -317,3 +354,27 @@ def test_the_plan_counts_the_largest_stage_as_the_engine_holds_it(rank_pool):
     assert plan.activations < whole.activations
     with pytest.raises(ValueError, match="pipeline_microbatches=3"):
         plan_memory(model, world_size=4, batch_size=BATCH, seq_len=SEQ, pipeline_parallel=2, pipeline_microbatches=3)
+
+
+def body_auto_pipeline() -> tuple[int, str, int, int]:
+    """strategy="auto" with a budget that the model fits only when cut in two stages; and Trainer.plan of a strategy
+    with a pipeline, which plans its stages."""
+    loader = DataLoader(tokens(8), batch_size=BATCH)
+    quiet = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    whole = Trainer(strategy="auto", devices=2, **quiet).plan(PipelinedLlama(), train_dataloaders=loader)
+    staged = Trainer(strategy=DDPStrategy(pipeline_parallel_size=2), devices=2, **quiet).plan(
+        PipelinedLlama(), train_dataloaders=loader
+    )
+    best = min(r.total for r in staged.strategies.values())
+    budget = (min(r.total for r in whole.strategies.values()) + best) // 2
+    trainer = Trainer(strategy="auto", devices=2, max_steps=1, max_memory_per_rank=budget, **quiet)
+    trainer.fit(PipelinedLlama(), loader)
+    return trainer.strategy.pipeline_parallel_size, trainer.strategy.name, budget, best
+
+
+def test_auto_strategy_cuts_a_model_that_fits_no_rank_whole_into_stages(rank_pool):
+    """When no strategy fits a rank, with or without tensor parallel, strategy="auto" tries pipeline sizes for a
+    pipeline-ready module: here 2 stages, under ddp (the least communication that then fits)."""
+    (pp, name, budget, best), _ = rank_pool(2).run(body_auto_pipeline)
+    assert (pp, name) == (2, "ddp"), (pp, name, budget)
+    assert best < budget

@@ -52,12 +52,15 @@ def make_plan(
     tensor_parallel_plan: Any = None,
     tensor_parallel: int | None = None,
     context_parallel: int | None = None,
+    pipeline_parallel: int | None = None,
 ) -> MemoryPlan:
     """The plan at the Trainer's world size and precision, with the options its strategy gives the plan. The batch
     is the module's example_input, else shaped like the train DataLoader's samples. `forecast` adds each
     strategy's step time on `hardware` (default: this machine's GPU kind, else cpu). At `tensor_parallel` ranks
     (default: the strategy's `tensor_parallel_size`) > 1, `tensor_parallel_plan` (default: the module's
-    `tensor_parallel_plan()`) is the module's split, its paths under the module."""
+    `tensor_parallel_plan()`) is the module's split, its paths under the module. `context_parallel` and
+    `pipeline_parallel` default to the strategy's sizes; a pipeline runs the strategy's schedule and micro-batches,
+    its stages cut by default (the plan does not take a `pipeline_split`)."""
     loader, sample = train_dataloaders, None
     if not callable(getattr(module, "example_input", None)):
         loader = loader if loader is not None else module.train_dataloader()
@@ -79,6 +82,9 @@ def make_plan(
             tensor_parallel=tensor_parallel or trainer.strategy.tensor_parallel_size,
             tensor_parallel_plan=tensor_parallel_plan if tensor_parallel_plan is not None else _module_plan(module),
             context_parallel=context_parallel or trainer.strategy.context_parallel_size,
+            pipeline_parallel=pipeline_parallel or trainer.strategy.pipeline_parallel_size,
+            pipeline_schedule=trainer.strategy.pipeline_schedule,
+            pipeline_microbatches=trainer.strategy.pipeline_microbatches,
             **options,
         )
 
@@ -123,13 +129,15 @@ def choose_strategy(trainer: Trainer, module: Any, train_dataloaders: Any) -> St
         budget = int(free * AUTO_MARGIN)
         why = f"{AUTO_MARGIN:.0%} of the {format_bytes(free)} free on the fullest GPU"
     plan = make_plan(trainer, module, train_dataloaders=train_dataloaders, forecast=False)
-    tensor_parallel = context_parallel = 1
+    tensor_parallel = context_parallel = pipeline_parallel = 1
     try:
         name = plan.choose(budget)
     except ValueError as error:
         split = _with_tensor_parallel(trainer, module, train_dataloaders, budget)
         if split is not None:
             tensor_parallel, plan, name = split
+        elif (split := _with_pipeline_parallel(trainer, module, train_dataloaders, budget)) is not None:
+            pipeline_parallel, plan, name = split
         elif (split := _with_context_parallel(trainer, module, train_dataloaders, budget)) is not None:
             context_parallel, plan, name = split
         else:
@@ -139,12 +147,15 @@ def choose_strategy(trainer: Trainer, module: Any, train_dataloaders: Any) -> St
         name, explanation = "single", f"single: one rank, and its plan fits {format_bytes(budget)} ({explanation})"
     if tensor_parallel > 1:
         explanation += f", with tensor_parallel_size={tensor_parallel} (nothing fits without)"
+    if pipeline_parallel > 1:
+        explanation += f", with pipeline_parallel_size={pipeline_parallel} (the model fits no rank whole)"
     if context_parallel > 1:
         explanation += f", with context_parallel_size={context_parallel} (the sequence fits no rank whole)"
     if trainer.is_global_zero:
         print(f"strategy='auto' ({why}) chose {explanation}", flush=True)
     strategy = get_strategy(name)
     strategy.tensor_parallel_size, strategy.context_parallel_size = tensor_parallel, context_parallel
+    strategy.pipeline_parallel_size = pipeline_parallel
     return strategy
 
 
@@ -164,6 +175,30 @@ def _with_tensor_parallel(
             if fitting:
                 return size, plan, fitting[0]
         size *= 2
+    return None
+
+
+def _with_pipeline_parallel(
+    trainer: Trainer, module: Any, train_dataloaders: Any, budget: int
+) -> tuple[int, MemoryPlan, str] | None:
+    """When no strategy fits even with tensor parallel: the fewest pipeline stages (2, 4, 8, ... dividing the ranks;
+    the fewer, the smaller the bubble) at which one does, with that plan and strategy, for a module with a
+    `pipeline_loss` (pipeline-ready, docs/strategies.md); else None. Consecutive ranks hold a stage, so stages
+    meet across nodes, where only their activations travel."""
+    if not callable(getattr(module, "pipeline_loss", None)):
+        return None
+    for size in (2**k for k in range(1, trainer.world_size.bit_length())):
+        if trainer.world_size % size:
+            continue
+        try:
+            plan = make_plan(
+                trainer, module, train_dataloaders=train_dataloaders, forecast=False, pipeline_parallel=size
+            )
+        except ValueError:  # more stages than blocks, or a batch that does not divide into the micro-batches
+            continue
+        fitting = plan.fitting(budget)
+        if fitting:
+            return size, plan, fitting[0]
     return None
 
 

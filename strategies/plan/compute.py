@@ -55,6 +55,10 @@ class ComputeCost:
     backward: float = 0.0  # recomputation included
     model_flops: float = 0.0  # forward + backward, without recomputation: what MFU counts
     compute_dtype: torch.dtype = torch.float32  # the dtype most matmul FLOPs ran in
+    # forward seconds and output bytes of each region compute_cost was given (a pipeline's stages are made of them);
+    # "" gathers what ran outside every region
+    region_forward: dict[str, float] = field(default_factory=dict)
+    region_output_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def forward_total(self) -> float:
@@ -92,6 +96,7 @@ class OpClock(TorchDispatchMode):
         super().__init__()
         self.hardware = hardware
         self.owners: list[str] = [""]  # the innermost running module that owns parameters
+        self.regions: list[str] = [""]  # the running region (compute_cost's `regions`)
         self.in_backward = False
         self.cost = ComputeCost()
         self.flops_by_dtype: dict[torch.dtype, float] = {}
@@ -111,6 +116,8 @@ class OpClock(TorchDispatchMode):
                 forward[-1] = (forward[-1][0], forward[-1][1] + seconds)
             else:
                 forward.append((self.owners[-1], seconds))
+            region = self.regions[-1]
+            self.cost.region_forward[region] = self.cost.region_forward.get(region, 0.0) + seconds
         if flops and dtype is not None:
             self.flops_by_dtype[dtype] = self.flops_by_dtype.get(dtype, 0.0) + flops
         return out
@@ -136,6 +143,17 @@ class OpClock(TorchDispatchMode):
     def leave(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         self.owners.pop()
 
+    def enter_region(self, name: str) -> Callable[..., None]:
+        def push(_module: nn.Module, _args: tuple) -> None:
+            self.regions.append(name)
+
+        return push
+
+    def leave_region(self, _module: nn.Module, _args: tuple, output: Any) -> None:
+        name = self.regions.pop()
+        if not self.in_backward:  # (not a checkpointed region's recomputation)
+            self.cost.region_output_bytes.setdefault(name, sum(t.nbytes for t in _tensors(output)))
+
 
 def compute_cost(
     model: nn.Module,
@@ -147,9 +165,11 @@ def compute_cost(
     checkpointed: Callable[[nn.Module, str], bool] | None = None,
     checkpoint_mode: str = "full",
     sample: Any = None,
+    regions: tuple[str, ...] = (),
 ) -> ComputeCost:
     """Seconds of one training step of `model` (a meta copy: its parameters are swapped for fake tensors) on
-    `hardware`, per module that owns parameters in forward order, and the step's model FLOPs."""
+    `hardware`, per module that owns parameters in forward order, and the step's model FLOPs; and the forward time
+    and output bytes of each submodule named in `regions`."""
     if checkpoint_mode not in AC_MODES:
         raise ValueError(f"checkpoint_mode={checkpoint_mode!r} is not valid; choose one of {list(AC_MODES)}")
     mode = FakeTensorMode()
@@ -160,7 +180,7 @@ def compute_cost(
         candidates = example_batches(model, batch_size, seq_len, sample)
     for i, (batch, targets) in enumerate(candidates):
         try:
-            return _timed_step(model, mode, hardware, batch, targets, precision, param_dtype)
+            return _timed_step(model, mode, hardware, batch, targets, precision, param_dtype, regions)
         except (TypeError, ValueError, IndexError, KeyError, RuntimeError):
             if i == len(candidates) - 1:
                 raise
@@ -175,10 +195,15 @@ def _timed_step(
     targets: Any,
     precision: str,
     param_dtype: torch.dtype | None,
+    regions: tuple[str, ...] = (),
 ) -> ComputeCost:
     clock = OpClock(hardware)
     with ExitStack() as stack:
         handles = _norms_in_full_precision(model) if param_dtype is not None else []
+        for name in regions:
+            region = model.get_submodule(name)
+            handles.append(region.register_forward_pre_hook(clock.enter_region(name)))
+            handles.append(region.register_forward_hook(clock.leave_region))
         for name, module in model.named_modules():
             if any(True for _ in module.parameters(recurse=False)):
                 handles.append(module.register_forward_pre_hook(clock.enter(name)))

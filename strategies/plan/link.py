@@ -12,7 +12,8 @@ import math
 
 from .hardware import Link
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # an all-to-all moves as an all-gather does
+# an all-to-all moves as an all-gather does; a send is one rank's buffer to one other (a pipeline's activations)
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 
 
 def collective_seconds(kind: str, nbytes: int, ranks: int, link: Link) -> float:
@@ -21,6 +22,8 @@ def collective_seconds(kind: str, nbytes: int, ranks: int, link: Link) -> float:
         raise ValueError(f"kind={kind!r} is not a collective the plan knows; choose one of {list(KINDS)}")
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    if kind == "send":
+        return nbytes / link.bandwidth + link.latency
     moved = (ranks - 1) / ranks * nbytes / link.bandwidth
     if kind != "all_reduce":
         return moved + (ranks - 1) * link.latency

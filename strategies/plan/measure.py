@@ -27,8 +27,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from ..pipeline_parallel import stages_per_rank
 from .activations import AUTOCAST
 from .hardware import Hardware, Link, default_hardware
+from .pipeline import check_microbatches
+from .pipeline_forecast import PipelineShape
 
 SWEEP_BYTES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB
 
@@ -198,7 +201,7 @@ def measure_hardware(model: nn.Module, args: Any, base: Hardware | None = None) 
     tensor_parallel = getattr(args, "tensor_parallel", 1)
     if tensor_parallel > 1 and device.type == "cpu":
         profile = _tensor_parallel_calibrated(profile, model, args, tensor_parallel, local, threads)
-    profile = _shared_cores(profile, local, threads, device)
+    profile = _shared_cores(profile, local, threads, device, pipeline=_pipeline_shape(args))
     if args.save_hardware:
         import json
 
@@ -277,15 +280,53 @@ def _tensor_parallel_calibrated(
     return replace(profile, tensor_parallel_slowdown=slowdown)
 
 
-def _shared_cores(profile: Hardware, ranks: int, threads: int, device: torch.device, quiet: bool = False) -> Hardware:
+def _pipeline_shape(args: Any) -> PipelineShape | None:
+    """The pipeline the plan's arguments run (`args.pipeline_parallel` > 1), else None. Under it a rank computes
+    its micro-batches in its schedule's slots (pipeline_forecast.py), waiting for the other stages the rest of the
+    time, and each of its computations is one micro-batch's."""
+    size = getattr(args, "pipeline_parallel", 1) or 1
+    if size == 1:
+        return None
+    schedule = getattr(args, "pipeline_schedule", "1F1B")
+    microbatches = check_microbatches(schedule, size, getattr(args, "pipeline_microbatches", None), args.batch_size)
+    return PipelineShape(schedule, size, microbatches)
+
+
+def pipeline_core_share(shape: PipelineShape, threads: int, cores: int) -> float:
+    """The rate a pipeline's ranks compute at, over the step, where `threads` (all ranks') share `cores`. Its
+    schedule runs V x M + P - 1 slots of one stage's micro-batch on P ranks (V stages each): in slot k, the stages
+    holding a micro-batch, min(k + 1, P, slots - k), compute at once and their threads share the cores; the others
+    wait (gloo's receives do not spin)."""
+    chunks = stages_per_rank(shape.schedule, None, shape.size)
+    slots = chunks * shape.microbatches + shape.size - 1
+    per_stage = threads / shape.size
+    stretched = sum(max(1.0, min(k + 1, shape.size, slots - k) * per_stage / cores) for k in range(slots))
+    return slots / stretched
+
+
+def _shared_cores(
+    profile: Hardware,
+    ranks: int,
+    threads: int,
+    device: torch.device,
+    quiet: bool = False,
+    pipeline: PipelineShape | None = None,
+) -> Hardware:
     """On CPU, more ranks' threads than cores share the cores: each rank computes at its share of the rates
-    measured alone."""
+    measured alone. Under a pipeline fewer ranks compute at once (pipeline_core_share)."""
     cores = os.cpu_count() or 1
-    share = min(1.0, cores / (ranks * threads))
+    if pipeline is None:
+        share = min(1.0, cores / (ranks * threads))
+    else:
+        share = pipeline_core_share(pipeline, ranks * threads, cores)
     if device.type != "cpu" or share == 1.0:
         return profile
     if not quiet:
-        print(f"{ranks} ranks of {threads} thread(s) share {cores} cores: each computes at {share:.2f} of these rates")
+        waiting = " (a pipeline's, some waiting)" if pipeline is not None else ""
+        print(
+            f"{ranks} ranks of {threads} thread(s){waiting} share {cores} cores: each computes at {share:.2f} of "
+            "these rates"
+        )
     return replace(
         profile,
         matmul_flops={k: v * share for k, v in profile.matmul_flops.items()},
@@ -296,17 +337,20 @@ def _shared_cores(profile: Hardware, ranks: int, threads: int, device: torch.dev
 
 
 def _calibrated(profile: Hardware, model: nn.Module, args: Any, device: torch.device) -> Hardware:
-    """Scale every rate so that the forecast of one step at world size 1 equals a measured step of the model."""
+    """Scale every rate so that the forecast of one step at world size 1 equals a measured step of the model (of
+    one micro-batch, under a pipeline)."""
     from .planner import meta_copy, plan_memory
 
     precision = getattr(args, "precision", "32")
-    measured = _one_step_seconds(meta_copy(model), args.batch_size, args.seq_len, device, precision)
+    pipeline = _pipeline_shape(args)
+    batch_size = args.batch_size // pipeline.microbatches if pipeline is not None else args.batch_size
+    measured = _one_step_seconds(meta_copy(model), batch_size, args.seq_len, device, precision)
     if measured is None:
         print("one step of the model: not measured (not a token model, or it does not fit); micro-benchmarks only")
         return profile
     forecast = (
         plan_memory(
-            model, world_size=1, batch_size=args.batch_size, seq_len=args.seq_len, precision=precision, hardware=profile
+            model, world_size=1, batch_size=batch_size, seq_len=args.seq_len, precision=precision, hardware=profile
         )
         .forecasts["ddp"]
         .step_s

@@ -20,21 +20,31 @@ from ..pipeline_split import default_split, keep_only, repeated_blocks
 from .activations import StepActivations
 
 
-def largest_stage(meta: nn.Module, size: int, schedule: str) -> tuple[nn.Module, float]:
-    """A meta copy of `meta` holding the stages of the pipeline rank with the most parameters, and its share of
-    the repeated blocks."""
+def rank_modules(meta: nn.Module, size: int, schedule: str) -> dict[int, list[str]]:
+    """The modules each pipeline rank holds, its stages cut as the strategy cuts them."""
     stages = stages_per_rank(schedule, None, size) * size
     split = default_split(meta, stages)
     ranks = stage_ranks(schedule, stages, size)
-    modules = dict(meta.named_modules())
-    held = {r: [name for s, names in enumerate(split) if ranks[s] == r for name in names] for r in range(size)}
-    count = {r: sum(p.numel() for name in names for p in modules[name].parameters()) for r, names in held.items()}
-    rank = max(count, key=count.get)
+    return {r: [name for s, names in enumerate(split) if ranks[s] == r for name in names] for r in range(size)}
+
+
+def stage_copy(meta: nn.Module, held: list[str]) -> tuple[nn.Module, float]:
+    """A meta copy of `meta` holding the modules `held` only, and its share of the repeated blocks."""
     blocks_name = repeated_blocks(meta)
-    blocks = sum(1 for name in held[rank] if name.startswith(blocks_name + "."))
-    stage = copy.deepcopy(meta)
-    keep_only(stage, held[rank])
+    blocks = sum(1 for name in held if name.startswith(blocks_name + "."))
+    trainer = getattr(meta, "_trainer", None)  # (a TrainModule's, shared as meta_copy shares it: not copied)
+    stage = copy.deepcopy(meta, {id(trainer): trainer} if trainer is not None else None)
+    keep_only(stage, held)
     return stage, blocks / len(meta.get_submodule(blocks_name))
+
+
+def largest_stage(meta: nn.Module, size: int, schedule: str) -> tuple[nn.Module, float]:
+    """A meta copy of `meta` holding the stages of the pipeline rank with the most parameters, and its share of
+    the repeated blocks."""
+    held = rank_modules(meta, size, schedule)
+    modules = dict(meta.named_modules())
+    count = {r: sum(p.numel() for name in names for p in modules[name].parameters()) for r, names in held.items()}
+    return stage_copy(meta, held[max(count, key=count.get)])
 
 
 def in_flight(schedule: str, size: int, microbatches: int) -> int:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..context_parallel import planned_attention
+from ..pipeline_split import repeated_blocks
 from ..registry import STRATEGIES
 from ..sharding.unit import gradient_buckets
 from ..wrap import resolve_wrap_policy
@@ -22,7 +23,8 @@ from .compute import AC_MODES, compute_cost
 from .forecast import Topology, forecast_step
 from .hardware import Hardware, default_hardware, get_hardware
 from .model_bytes import OPTIMIZER_STATES, check_optimizer, model_state_bytes, optimizer_kind, plan_units
-from .pipeline import check_microbatches, in_flight, largest_stage, stage_activations
+from .pipeline import check_microbatches, in_flight, largest_stage, rank_modules, stage_activations, stage_copy
+from .pipeline_forecast import PipelineShape, forecast_pipeline_step, stage_cost
 from .report import STRATEGY_ORDER, MemoryPlan, StepForecast
 from .sizes import format_bytes, parse_bytes
 from .tensor_parallel import TensorParallelCollectives, resolve_plan, split_for_one_rank, with_collectives
@@ -210,7 +212,8 @@ def plan_memory(
     `pipeline_parallel` > 1 cuts the model into stages as the strategies do (`pipeline_schedule`, its
     `pipeline_microbatches`, default one per stage): the model state is that of the pipeline rank holding the most
     parameters, sharded over its data-parallel ranks, and the activations those of the micro-batches its schedule
-    keeps in flight (strategies/plan/pipeline.py). There is no step-time forecast under a pipeline yet."""
+    keeps in flight (strategies/plan/pipeline.py); the forecast is the step of the rank whose stages compute the
+    most, with its schedule's bubble and the activations sent between stages (pipeline_forecast.py)."""
     _check(world_size, nodes, batch_size, seq_len, precision, tensor_parallel, context_parallel, pipeline_parallel)
     if checkpoint_mode not in AC_MODES:
         raise ValueError(f"checkpoint_mode={checkpoint_mode!r} is not valid; choose one of {list(AC_MODES)}")
@@ -227,11 +230,12 @@ def plan_memory(
     meta, _ = _planning_copy(model, precision, tp)
     if not any(True for _ in meta.parameters()):
         raise ValueError(f"{type(model).__name__} has no parameters to plan")
-    micro, held, share, whole = batch_size, 1, 1.0, meta
+    micro, held, share, whole, shape = batch_size, 1, 1.0, meta, None
     if pp > 1:  # one stage's state; the activations of one micro-batch, of the stage's share, held at once
         meta, share = largest_stage(meta, pp, pipeline_schedule)
         microbatches = check_microbatches(pipeline_schedule, pp, pipeline_microbatches, batch_size)
-        micro, held, forecast = batch_size // microbatches, in_flight(pipeline_schedule, pp, microbatches), False
+        micro, held = batch_size // microbatches, in_flight(pipeline_schedule, pp, microbatches)
+        shape = PipelineShape(pipeline_schedule, pp, microbatches)
     optimizer = optimizer if optimizer is not None else _optimizer_of(whole)
     check_optimizer(optimizer)
     seq_len = seq_len if seq_len is not None else default_seq_len(whole)
@@ -273,10 +277,31 @@ def plan_memory(
         )
         for name, ranks in shard_over.items()
     }
-    forecasts = (
-        {}
-        if not forecast
-        else _forecasts(
+    forecasts: dict[str, StepForecast] = {}
+    if forecast and shape is not None:
+        forecasts = _pipeline_forecasts(
+            model,
+            whole,
+            strategies,
+            shard_over,
+            hardware,
+            world_size,
+            nodes,
+            micro,
+            seq_len,
+            precision,
+            param_dtype,
+            reduce_dtype,
+            optimizer,
+            wrap_policy,
+            checkpointed,
+            checkpoint_mode,
+            sample,
+            tp,
+            shape,
+        )
+    elif forecast:
+        forecasts = _forecasts(
             model,
             meta,
             strategies,
@@ -298,7 +323,6 @@ def plan_memory(
             tp,
             cp,
         )
-    )
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())  # (a stage's, under a pipeline)
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
@@ -322,8 +346,8 @@ def plan_memory(
     if pp > 1:
         description.append(
             f"pipeline {pipeline_schedule}, {batch_size // micro} micro-batches of {micro}: the rank holding the most "
-            f"parameters ({share:.0%} of the blocks), {held} micro-batches' activations in flight; no step-time "
-            "forecast under a pipeline yet"
+            f"parameters ({share:.0%} of the blocks), {held} micro-batches' activations in flight; the step is that "
+            "of the rank computing the most"
         )
     if forecast:
         description.append(
@@ -408,6 +432,67 @@ def _forecasts(
             compute_s=cost.total,
             comm_s=step.comm_s + tp_seconds,
             exposed_comm_s=max(0.0, step.step_s - cost.total - step.optimizer_s),
+        )
+    return forecasts
+
+
+def _pipeline_forecasts(
+    model: nn.Module,
+    whole: nn.Module,
+    strategies: dict[str, Any],
+    shard_over: dict[str, int],
+    hardware: Hardware,
+    world_size: int,
+    nodes: int,
+    micro: int,
+    seq_len: int | None,
+    precision: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    optimizer: str,
+    wrap_policy: Any,
+    checkpointed: Any,
+    checkpoint_mode: str,
+    sample: Any,
+    tp: TensorParallel,
+    shape: PipelineShape,
+) -> dict[str, StepForecast]:
+    """Each strategy's step under a pipeline (pipeline_forecast.py), from one timed fake step of one micro-batch
+    through a fresh meta copy of the whole model, each rank's stages a region of it (`whole`: the planned copy)."""
+    held = rank_modules(whole, shape.size, shape.schedule)
+    timed, collectives = _planning_copy(model, precision, tp)
+    regions = tuple(name for names in held.values() for name in names)
+    cost = compute_cost(
+        timed, hardware, micro, seq_len, precision, param_dtype, checkpointed, checkpoint_mode, sample, regions
+    )
+    ranks_per_node = world_size // nodes
+    tp_link = hardware.intra_node if tp.size <= ranks_per_node else hardware.inter_node
+    cost, _ = with_collectives(cost, collectives, tp_link, hardware.tensor_parallel_slowdown)
+    stages = {r: stage_cost(cost, names, last=r == shape.last_stage_rank) for r, names in held.items()}
+    pace = max(stages, key=lambda r: stages[r].total)  # every rank keeps the slowest one's pace
+    stage_meta, _ = stage_copy(whole, held[pace])
+    sent = cost.region_output_bytes.get(f"{repeated_blocks(whole)}.0", 0)  # one block's output: a boundary's
+    p2p_link = hardware.intra_node if shape.size > nodes else hardware.inter_node  # stages on one node or not
+    data_ranks = world_size // (tp.size * shape.size)
+    if param_dtype is not None and param_dtype == next(whole.parameters()).dtype:
+        param_dtype = None
+    tokens = micro * shape.microbatches * (seq_len or 1) / (tp.size * shape.size)
+    forecasts = {}
+    for name, ranks in shard_over.items():
+        spec = strategies[name].spec
+        units = plan_units(stage_meta, spec, ranks, wrap_policy, param_dtype)
+        forecasts[name] = forecast_pipeline_step(
+            stages[pace],
+            shape,
+            sent,
+            p2p_link,
+            units,
+            spec,
+            hardware,
+            Topology(data_ranks, max(1, nodes // shape.size), ranks),  # a stage's data-parallel ranks
+            tokens,
+            OPTIMIZER_STATES[optimizer],
+            reduce_dtype or param_dtype,
         )
     return forecasts
 
