@@ -9,9 +9,12 @@ output layer and the loss). Also on its path:
 - the activations sent from stage to stage, and their gradients back: each slot receives a micro-batch and sends
   it on. Where communication overlaps compute (a GPU's streams) only the pipeline's fill and drain wait for them,
   2 (P - 1) transfers; where it does not (gloo, on the cores that compute) every slot's two transfers add to it;
-- data parallel: the engine holds its gradient sync back until the batch's last backward, so the stage's
-  reductions follow the pipeline with nothing left to overlap; fsdp gathers each unit once, before the first
-  micro-batch's forward, and keeps it gathered; zero1 and zero2 gather the updated parameters after the step.
+- data parallel, as the engine runs it under a pipeline: ddp and zero1 accumulate each micro-batch's gradients
+  locally and all-reduce them after the batch's last backward, with nothing left to overlap; fsdp gathers each
+  unit for every micro-batch's forward (it stays gathered until that micro-batch's backward), and fsdp and zero2
+  reduce-scatter every micro-batch's gradients, behind compute where communication overlaps it; zero1 and zero2
+  gather the updated parameters after the step. (FSDP2 under torch's pipelining keeps a stage gathered and its
+  gradients unsharded across the micro-batches, and reduces once; this engine does not yet.)
 
 The zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) would fill the bubble with deferred
 weight-gradient work; this engine computes weight gradients with the input gradients, so they are timed as the
@@ -27,7 +30,7 @@ import torch
 
 from ..pipeline_parallel import stage_ranks, stages_per_rank
 from .compute import ComputeCost
-from .forecast import Reductions, Timeline, Topology, optimizer_seconds
+from .forecast import Timeline, Topology, optimizer_seconds
 from .hardware import Hardware, Link
 from .link import collective_seconds
 from .report import StepForecast
@@ -90,14 +93,18 @@ def forecast_pipeline_step(
     activations at a stage boundary, sent over `p2p_link`."""
     line = Timeline(hardware, topology)
     reduce_itemsize = reduce_dtype.itemsize if reduce_dtype is not None else None
-    if spec.shard_parameters:  # every unit gathered once, before the first forward; the first one waited for
-        gathered = [line.issue("all_gather", _bytes(u, None), topology.shard_ranks) for u in units]
-        line.compute(0.0, gathered[0] if gathered else 0.0)
+    per_micro = _per_microbatch_seconds(units, spec, hardware, topology, reduce_itemsize)
     send_s = collective_seconds("send", sent_bytes, 2, p2p_link)
-    transfers = 2 * shape.slots if not hardware.comm_overlaps_compute else 2 * (shape.size - 1)
-    line.compute(shape.slots * stage.total + transfers * send_s)
-    line.now = max(line.now, line.stream_free)  # (fsdp's gathers that compute did not hide)
-    _sync_gradients(line, units, spec, topology, reduce_itemsize)
+    if hardware.comm_overlaps_compute:  # behind compute but the first gathers, the last reductions, and any excess
+        first, last = per_micro
+        excess = shape.microbatches * max(0.0, first + last - stage.total)
+        line.compute(shape.slots * stage.total + 2 * (shape.size - 1) * send_s + first + last + excess)
+    else:  # gloo: every micro-batch's collectives and transfers on the cores that compute
+        line.compute(shape.slots * (stage.total + 2 * send_s) + shape.microbatches * sum(per_micro))
+    if not spec.shard_gradients:  # ddp, zero1: the gradients accumulated locally, then every bucket all-reduced
+        for u in units:
+            if u.has_trainable:
+                line.issue("all_reduce", _bytes(u, reduce_itemsize), topology.world_size)
     line.now = max(line.now, line.stream_free)
     optimizer_s = optimizer_seconds(units, spec.shard_optimizer_state, states, hardware)
     line.compute(optimizer_s)
@@ -113,26 +120,26 @@ def forecast_pipeline_step(
         exposed_comm_s=max(0.0, step - shape.slots * stage.total - optimizer_s),
         compute_s=compute,
         optimizer_s=optimizer_s,
-        comm_s=line.comm_s + shape.slots * 2 * send_s,
+        comm_s=line.comm_s + shape.slots * 2 * send_s + shape.microbatches * sum(per_micro),
     )
 
 
-def _sync_gradients(
-    line: Timeline, units: list[PlannedUnit], spec: Any, topology: Topology, reduce_itemsize: int | None
-) -> None:
-    """The stage's gradient reductions after the batch's last backward, as the engine's synchronize issues them."""
-    trainable = [u for u in units if u.has_trainable]
-    if not spec.shard_gradients:  # ddp, zero1: every bucket all-reduced
-        for u in trainable:
-            line.issue("all_reduce", _bytes(u, reduce_itemsize), topology.world_size)
-        return
-    replicas = topology.world_size // topology.shard_ranks  # hsdp: the shard all-reduced across the groups
-    reductions = Reductions(line, "reduce_scatter", topology.shard_ranks)
-    for u in trainable:
-        reductions.ready(_bytes(u, reduce_itemsize))
-        if replicas > 1:
-            line.issue("all_reduce", _bytes(u, reduce_itemsize) // topology.shard_ranks, replicas)
-    reductions.launch()
+def _per_microbatch_seconds(
+    units: list[PlannedUnit], spec: Any, hardware: Hardware, topology: Topology, reduce_itemsize: int | None
+) -> tuple[float, float]:
+    """The collectives of one micro-batch, (gathers, reductions), as the engine issues them under a pipeline:
+    fsdp gathers every unit for its forward (it stays gathered until its backward); fsdp and zero2 reduce-scatter
+    each micro-batch's gradients into the shards (hsdp all-reduces the shard across its groups too)."""
+    shard, replicas = topology.shard_ranks, topology.world_size // topology.shard_ranks
+    link = topology.link_of(shard, hardware)
+    gathers = sum(collective_seconds("all_gather", _bytes(u, None), shard, link) for u in units)
+    reductions = 0.0
+    for u in units:
+        if u.has_trainable and spec.shard_gradients:
+            reductions += collective_seconds("reduce_scatter", _bytes(u, reduce_itemsize), shard, link)
+            across = topology.link_of(topology.world_size, hardware)
+            reductions += collective_seconds("all_reduce", _bytes(u, reduce_itemsize) // shard, replicas, across)
+    return (gathers if spec.shard_parameters else 0.0), reductions
 
 
 def _bytes(unit: PlannedUnit, itemsize: int | None) -> int:

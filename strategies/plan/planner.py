@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any
 
@@ -19,9 +19,9 @@ from ..registry import STRATEGIES
 from ..sharding.unit import gradient_buckets
 from ..wrap import resolve_wrap_policy
 from .activations import AUTOCAST, TRUE_DTYPES, step_activations
-from .compute import AC_MODES, compute_cost
+from .compute import AC_MODES, ComputeCost, compute_cost
 from .forecast import Topology, forecast_step
-from .hardware import Hardware, default_hardware, get_hardware
+from .hardware import Hardware, Link, default_hardware, get_hardware
 from .model_bytes import OPTIMIZER_STATES, check_optimizer, model_state_bytes, optimizer_kind, plan_units
 from .pipeline import check_microbatches, in_flight, largest_stage, rank_modules, stage_activations, stage_copy
 from .pipeline_forecast import PipelineShape, forecast_pipeline_step, stage_cost
@@ -278,51 +278,26 @@ def plan_memory(
         for name, ranks in shard_over.items()
     }
     forecasts: dict[str, StepForecast] = {}
-    if forecast and shape is not None:
-        forecasts = _pipeline_forecasts(
-            model,
-            whole,
-            strategies,
-            shard_over,
+    if forecast:
+        setting = StepSetting(
             hardware,
             world_size,
             nodes,
-            micro,
             seq_len,
             precision,
             param_dtype,
             reduce_dtype,
             optimizer,
-            wrap_policy,
-            checkpointed,
-            checkpoint_mode,
-            sample,
-            tp,
-            shape,
+            wrap_policy=wrap_policy,
+            checkpointed=checkpointed,
+            checkpoint_mode=checkpoint_mode,
+            sample=sample,
+            tp=tp,
         )
-    elif forecast:
-        forecasts = _forecasts(
-            model,
-            meta,
-            strategies,
-            shard_over,
-            hardware,
-            world_size,
-            nodes,
-            batch_size,
-            seq_len,
-            precision,
-            param_dtype,
-            reduce_dtype,
-            optimizer,
-            wrap_policy,
-            checkpointed,
-            checkpoint_mode,
-            sample,
-            schedule,
-            tp,
-            cp,
-        )
+        if shape is not None:
+            forecasts = _pipeline_forecasts(model, whole, strategies, shard_over, setting, micro, shape)
+        else:
+            forecasts = _forecasts(model, meta, strategies, shard_over, setting, batch_size, schedule, cp)
     budget = parse_bytes(device_memory, "device_memory") if device_memory is not None else None
     params = sum(p.numel() for p in meta.parameters())  # (a stage's, under a pipeline)
     cast = f", param dtype {str(param_dtype).removeprefix('torch.')}" if param_dtype else ""
@@ -366,72 +341,105 @@ def plan_memory(
     )
 
 
+@dataclass(frozen=True)
+class StepSetting:
+    """What every strategy's step forecast shares: the hardware and ranks it runs on, and what a step trains."""
+
+    hardware: Hardware
+    world_size: int
+    nodes: int
+    seq_len: int | None
+    precision: str
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    optimizer: str
+    wrap_policy: Any = None
+    checkpointed: Any = None
+    checkpoint_mode: str = "full"
+    sample: Any = None
+    tp: TensorParallel = field(default_factory=lambda: TensorParallel())
+
+    def link(self, ranks: int) -> Link:
+        """The link a group of `ranks` consecutive ranks talks over: within a node while they fit in one."""
+        fits = ranks <= self.world_size // self.nodes
+        return self.hardware.intra_node if fits else self.hardware.inter_node
+
+    def cast_dtype(self, meta: nn.Module) -> torch.dtype | None:
+        """The dtype the engine casts parameters to for compute, None where that is their own."""
+        own = next(meta.parameters()).dtype
+        return self.param_dtype if self.param_dtype is not None and self.param_dtype != own else None
+
+
+def _timed_step(
+    model: nn.Module, setting: StepSetting, batch_size: int, seq_len: int | None, regions: tuple[str, ...] = ()
+) -> tuple[ComputeCost, float]:
+    """One timed fake step of a fresh meta copy of `model` (split for tensor parallel) at `batch_size` x `seq_len`,
+    tensor parallel's collectives on its clock, and their seconds."""
+    timed, collectives = _planning_copy(model, setting.precision, setting.tp)
+    cost = compute_cost(
+        timed,
+        setting.hardware,
+        batch_size,
+        seq_len,
+        setting.precision,
+        setting.param_dtype,
+        setting.checkpointed,
+        setting.checkpoint_mode,
+        setting.sample,
+        regions,
+    )
+    slowdown = setting.hardware.tensor_parallel_slowdown
+    return with_collectives(cost, collectives, setting.link(setting.tp.size), slowdown)
+
+
 def _forecasts(
     model: nn.Module,
     meta: nn.Module,
     strategies: dict[str, Any],
     shard_over: dict[str, int],
-    hardware: Hardware,
-    world_size: int,
-    nodes: int,
+    setting: StepSetting,
     batch_size: int,
-    seq_len: int | None,
-    precision: str,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    optimizer: str,
-    wrap_policy: Any,
-    checkpointed: Any,
-    checkpoint_mode: str,
-    sample: Any,
     schedule: str,
-    tp: TensorParallel,
     cp: int = 1,
 ) -> dict[str, StepForecast]:
-    """Each strategy's step on `hardware`, from one timed fake step of a fresh meta copy of the model (under
-    context parallel, of one rank's part of the sequence, with its attention's all-to-alls)."""
-    timed, collectives = _planning_copy(model, precision, tp)
+    """Each strategy's step on `setting.hardware`, from one timed fake step of a fresh meta copy of the model
+    (under context parallel, of one rank's part of the sequence, with its attention's all-to-alls)."""
+    tp, seq_len = setting.tp, setting.seq_len
     exchanged: list[int] = []
     with planned_attention(cp, exchanged) if cp > 1 else nullcontext():
-        part = seq_len // cp if seq_len is not None else None
-        cost = compute_cost(
-            timed, hardware, batch_size, part, precision, param_dtype, checkpointed, checkpoint_mode, sample
-        )
-    ranks_per_node = world_size // nodes
-    tp_link = hardware.intra_node if tp.size <= ranks_per_node else hardware.inter_node
-    cost_with_tp, tp_seconds = with_collectives(cost, collectives, tp_link, hardware.tensor_parallel_slowdown)
+        cost, tp_seconds = _timed_step(model, setting, batch_size, seq_len // cp if seq_len is not None else None)
     if cp > 1:  # each all-to-all of forward has its twin in backward
-        cp_link = hardware.intra_node if tp.size * cp <= ranks_per_node else hardware.inter_node
         exchanges = TensorParallelCollectives(cp, [("all_to_all", n) for n in exchanged])
         exchanges.backward = list(exchanges.forward)
-        cost_with_tp, cp_seconds = with_collectives(cost_with_tp, exchanges, cp_link)
+        cost, cp_seconds = with_collectives(cost, exchanges, setting.link(tp.size * cp))
         tp_seconds += cp_seconds
     owners = [[name.rpartition(".")[0] for name, _ in bucket] for bucket in gradient_buckets(meta)]
-    if param_dtype is not None and param_dtype == next(meta.parameters()).dtype:
-        param_dtype = None
-    reduce = reduce_dtype or param_dtype
+    param_dtype = setting.cast_dtype(meta)
     tokens = batch_size * (seq_len or 1) / (tp.size * cp)  # a tp x cp group trains one batch together
+    compute = cost.total - tp_seconds  # (what the step computes, the collectives on its clock aside)
     forecasts = {}
     for name, ranks in shard_over.items():
         spec = strategies[name].spec
-        units = plan_units(meta, spec, ranks, wrap_policy, param_dtype, full_precision_norms=schedule == "engine")
+        units = plan_units(
+            meta, spec, ranks, setting.wrap_policy, param_dtype, full_precision_norms=schedule == "engine"
+        )
         step = forecast_step(
-            cost_with_tp,
+            cost,
             units,
             spec,
-            hardware,
-            Topology(world_size // tp.size, nodes, ranks),  # a data-parallel group: every tp.size-th rank
+            setting.hardware,
+            Topology(setting.world_size // tp.size, setting.nodes, ranks),  # a data-parallel group
             tokens,
-            OPTIMIZER_STATES[optimizer],
-            reduce,
+            OPTIMIZER_STATES[setting.optimizer],
+            setting.reduce_dtype or param_dtype,
             owners if not spec.shard_parameters else None,
             SCHEDULES[schedule],
         )
         forecasts[name] = replace(
             step,
-            compute_s=cost.total,
+            compute_s=compute,
             comm_s=step.comm_s + tp_seconds,
-            exposed_comm_s=max(0.0, step.step_s - cost.total - step.optimizer_s),
+            exposed_comm_s=max(0.0, step.step_s - compute - step.optimizer_s),
         )
     return forecasts
 
@@ -441,46 +449,27 @@ def _pipeline_forecasts(
     whole: nn.Module,
     strategies: dict[str, Any],
     shard_over: dict[str, int],
-    hardware: Hardware,
-    world_size: int,
-    nodes: int,
+    setting: StepSetting,
     micro: int,
-    seq_len: int | None,
-    precision: str,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    optimizer: str,
-    wrap_policy: Any,
-    checkpointed: Any,
-    checkpoint_mode: str,
-    sample: Any,
-    tp: TensorParallel,
     shape: PipelineShape,
 ) -> dict[str, StepForecast]:
     """Each strategy's step under a pipeline (pipeline_forecast.py), from one timed fake step of one micro-batch
     through a fresh meta copy of the whole model, each rank's stages a region of it (`whole`: the planned copy)."""
     held = rank_modules(whole, shape.size, shape.schedule)
-    timed, collectives = _planning_copy(model, precision, tp)
     regions = tuple(name for names in held.values() for name in names)
-    cost = compute_cost(
-        timed, hardware, micro, seq_len, precision, param_dtype, checkpointed, checkpoint_mode, sample, regions
-    )
-    ranks_per_node = world_size // nodes
-    tp_link = hardware.intra_node if tp.size <= ranks_per_node else hardware.inter_node
-    cost, _ = with_collectives(cost, collectives, tp_link, hardware.tensor_parallel_slowdown)
+    cost, _ = _timed_step(model, setting, micro, setting.seq_len, regions)
     stages = {r: stage_cost(cost, names, last=r == shape.last_stage_rank) for r, names in held.items()}
     pace = max(stages, key=lambda r: stages[r].total)  # every rank keeps the slowest one's pace
     stage_meta, _ = stage_copy(whole, held[pace])
     sent = cost.region_output_bytes.get(f"{repeated_blocks(whole)}.0", 0)  # one block's output: a boundary's
-    p2p_link = hardware.intra_node if shape.size > nodes else hardware.inter_node  # stages on one node or not
-    data_ranks = world_size // (tp.size * shape.size)
-    if param_dtype is not None and param_dtype == next(whole.parameters()).dtype:
-        param_dtype = None
-    tokens = micro * shape.microbatches * (seq_len or 1) / (tp.size * shape.size)
+    world_size, nodes, tp = setting.world_size, setting.nodes, setting.tp
+    p2p_link = setting.link(world_size)  # across nodes when there are several: some stage boundary is between two
+    param_dtype = setting.cast_dtype(whole)
+    tokens = micro * shape.microbatches * (setting.seq_len or 1) / (tp.size * shape.size)
     forecasts = {}
     for name, ranks in shard_over.items():
         spec = strategies[name].spec
-        units = plan_units(stage_meta, spec, ranks, wrap_policy, param_dtype)
+        units = plan_units(stage_meta, spec, ranks, setting.wrap_policy, param_dtype)
         forecasts[name] = forecast_pipeline_step(
             stages[pace],
             shape,
@@ -488,11 +477,11 @@ def _pipeline_forecasts(
             p2p_link,
             units,
             spec,
-            hardware,
-            Topology(data_ranks, max(1, nodes // shape.size), ranks),  # a stage's data-parallel ranks
+            setting.hardware,
+            Topology(world_size // (tp.size * shape.size), max(1, nodes // shape.size), ranks),  # a stage's
             tokens,
-            OPTIMIZER_STATES[optimizer],
-            reduce_dtype or param_dtype,
+            OPTIMIZER_STATES[setting.optimizer],
+            setting.reduce_dtype or param_dtype,
         )
     return forecasts
 
