@@ -17,6 +17,9 @@ optimizer.zero_grad(set_to_none=True).
   extra host time per unit over plain torch ((median - torch's median) / 49 units: 48 Blocks and the root).
   With `--isolated` each variant runs in a process of its own (still step by step in turn): the variants then do not
   share the C allocator's heap, which in one process hides fsdp's page faults (docs/benchmarks.md).
+- "fsdp-hooked" is fsdp with the engine's backward per parameter (a hook on each gradient, as before the
+  backward ran once per unit; docs/architecture.md, "A unit's backward"), for the two side by side:
+  `--variants torch,fsdp@many,fsdp-hooked@many`.
 - `--part two`: 2 gloo ranks on this machine, step timed on rank 0 between two barriers: torch's
   DistributedDataParallel and `fully_shard` (per Block, then the root) beside this project's ddp, zero2 and fsdp.
 
@@ -31,6 +34,7 @@ a 95% interval from resampling the rounds: how far this run's noise leaves the r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -41,7 +45,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +55,7 @@ import torch.nn.functional as F
 from benchmarks.gpu.common import one_rank_collectives
 from examples.gpt import GPT, Block, GPTConfig
 from strategies import FSDPStrategy, get_strategy
+from strategies.sharding import engine as sharding_engine
 from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=48, n_head=4, n_embd=64)
@@ -88,11 +93,24 @@ def build(variant: str, rank: int) -> Step:
             fully_shard(block)
         wrapped = fully_shard(model)
     else:
-        strategy = FSDPStrategy(auto_wrap_policy={Block}) if name == "fsdp" else get_strategy(name)
-        wrapped = strategy.setup_module(model)
+        strategy = FSDPStrategy(auto_wrap_policy={Block}) if name.startswith("fsdp") else get_strategy(name)
+        with backward_per_parameter(name == "fsdp-hooked"):
+            wrapped = strategy.setup_module(model)
         optimizer = strategy.setup_optimizer(torch.optim.AdamW(wrapped.parameters(), lr=1e-4, foreach=True))
         return make_step(wrapped, optimizer, rank, strategy)
     return make_step(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, foreach=True), rank)
+
+
+@contextlib.contextmanager
+def backward_per_parameter(on: bool) -> Iterator[None]:
+    """Engines built inside hear of each gradient from a hook on its parameter, as the root unit does, instead of
+    once per unit (the "fsdp-hooked" variant: the engine's backward before it ran per unit)."""
+    before = sharding_engine.POST_BACKWARD_PER_UNIT
+    sharding_engine.POST_BACKWARD_PER_UNIT = not on
+    try:
+        yield
+    finally:
+        sharding_engine.POST_BACKWARD_PER_UNIT = before
 
 
 def make_step(model: Any, optimizer: torch.optim.Optimizer, rank: int, strategy: Any = None) -> Step:
@@ -382,7 +400,8 @@ def main() -> None:
         "--variants",
         type=lambda s: s.split(","),
         default=None,
-        help=f"comma-separated; world size 1: {','.join(ONE_RANK)}; 2 ranks: {','.join(TWO_RANKS)}",
+        help=f"comma-separated; world size 1: {','.join(ONE_RANK)},fsdp-hooked,fsdp-hooked@many; "
+        f"2 ranks: {','.join(TWO_RANKS)}",
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)

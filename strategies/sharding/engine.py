@@ -49,6 +49,9 @@ REDUCTIONS_IN_FLIGHT = 1  # sharded-gradient reductions allowed to overlap backw
 # Sharded-gradient reductions of consecutive small units are started together as one collective (a collective
 # costs a latency whatever its size), until they hold this many bytes; larger units start alone, as soon as ready.
 REDUCE_TOGETHER_BYTES = 2**20
+# A wrapped fsdp unit's gradients are known to be in once per unit, when its backward ends (False: a hook per
+# parameter, as the root's; benchmarks/overhead.py compares the two).
+POST_BACKWARD_PER_UNIT = True
 
 
 class ShardingEngine:
@@ -205,18 +208,41 @@ class ShardingEngine:
         )
 
     def _register_grad_hooks(self) -> None:
+        """How each unit's gradients are known to be in. A wrapped fsdp unit is told once, when its backward is over
+        (`unit_backward_done`, from its inputs' gradients: hooks.py), as FSDP2's post-backward; the root unit and
+        gradient buckets, whose parameters are used all over the model, hear of each gradient from a hook on it.
+        A wrapped unit that turns out to need the hooks gets them (`track_each_gradient`)."""
+        self._unit_index = {id(unit): i for i, unit in enumerate(self.units)}
+        self._track_after_backward: list[ShardUnit] = []
+        for unit in self.units:
+            if not (POST_BACKWARD_PER_UNIT and self._may_finish_as_a_whole(unit)):
+                self.track_each_gradient(unit)
+
+    def _may_finish_as_a_whole(self, unit: ShardUnit) -> bool:
+        return (
+            self.spec.shard_parameters
+            and unit.module is not None
+            and unit.module is not self.module
+            and isinstance(unit.grads, ShardedGradients)
+        )
+
+    def track_each_gradient(self, unit: ShardUnit) -> None:
+        """From now on hear of each of `unit`'s gradients from a hook on its parameter (not during a backward: the
+        count of a backward starts with it). For a unit called twice in one forward, one whose inputs need no
+        gradient, one run without recording (reentrant checkpointing) or one whose gradients come after its
+        backward (a parameter used outside it)."""
+        if unit.tracks_each_gradient:
+            return
+        unit.tracks_each_gradient = True
         # A tensor's hooks are held from C++, where the garbage collector cannot see a cycle through them, so
         # they reach the engine through a weak reference: a model and engine that are dropped are freed.
-        engine = weakref.ref(self)
-        for unit_index, unit in enumerate(self.units):
-            for index, p in enumerate(unit.params):
-                if p.requires_grad:
-                    hook = functools.partial(_on_grad_ready, engine, unit_index, index)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-                    if self.spec.shard_gradients:
-                        self._hooks.append(
-                            p.register_hook(functools.partial(_drop_placeholder, engine, unit_index, index))
-                        )
+        engine, unit_index = weakref.ref(self), self._unit_index[id(unit)]
+        for index, p in enumerate(unit.params):
+            if p.requires_grad:
+                hook = functools.partial(_on_grad_ready, engine, unit_index, index)
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+                if self.spec.shard_gradients:
+                    self._hooks.append(p.register_hook(functools.partial(_drop_placeholder, engine, unit_index, index)))
 
     def _register_zero_grad(self, owner: Any, params: list[torch.Tensor] | None) -> None:
         """`owner.zero_grad()` (the model's or an optimizer's) also clears the engine's gradients of `params`
@@ -279,6 +305,25 @@ class ShardingEngine:
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
+    def unit_backward_done(self, unit: ShardUnit) -> None:
+        """A unit told once (not `tracks_each_gradient`): its backward is over. If every trainable parameter has its
+        gradient, the unit's reduction may start. If some has none, it may come later (a parameter used outside the
+        unit too) or never (unused): the unit waits for the end of backward, and hooks each gradient from then on."""
+        if unit.grads_ready:
+            return
+        if unit.has_every_gradient():
+            unit.grads_ready = True
+            self._launch_ready_reductions()
+        else:
+            self._track_after_backward.append(unit)
+
+    def drop_placeholders(self, unit: ShardUnit | None = None) -> None:
+        """Before gradients accumulate: the placeholder `.grad` of `unit`'s parameters (of every unit told once, when
+        None) are dropped (gradients.py, `hide`); hooked units drop theirs in their hooks."""
+        for each in self.units if unit is None else (unit,):
+            if not each.tracks_each_gradient:
+                each.grads.hide()
+
     def _on_grad_ready(self, unit: ShardUnit, index: int) -> None:
         self.queue_finish_backward()
         if unit.on_grad_ready(index):
@@ -325,9 +370,14 @@ class ShardingEngine:
             unit.grads_ready = True
         self._launch_ready_reductions()
         for unit in self.units:
+            if unit.backward_started and not unit.input_grad_done and not unit.tracks_each_gradient:
+                self._track_after_backward.append(unit)  # backward reached it, but not its inputs
             unit.grads.finish()
             unit.reshard()
             unit.reset_backward_state()
+        for unit in self._track_after_backward:
+            self.track_each_gradient(unit)
+        self._track_after_backward.clear()
         read_used_flags([unit.grads for unit in self.units])  # the host waits for the GPU once, here
         for unit in self.units:
             unit.grads.attach()

@@ -68,6 +68,7 @@ class NoGradients:
         return []
 
     def refresh(self) -> None: ...
+    def hide(self) -> None: ...
 
     def pending_flags(self) -> torch.Tensor | None:
         return None
@@ -214,6 +215,7 @@ class ShardedGradients:
         self._output: torch.Tensor | None = None
         self._across_groups = False  # hybrid: the reduce-scatter is done, the all-reduce across groups in flight
         self._placeholders: dict[int, ShardedGradient] = {}  # by parameter index: made once, shown at every step
+        self._shown = False  # some parameter's `.grad` is a placeholder now
         self.norms: GradientNorms | None = None  # the engine's, shared by all its units (see GradientNorms)
         self._generation = 0  # counts the shards this store has made: with the version, whether it changed
         self.size = unit.layout.trainable_shard_size  # the gradient shard covers the trainable segment only
@@ -438,6 +440,7 @@ class ShardedGradients:
                 for p, trainable in zip(self.unit.params, self.unit.trainable):
                     if trainable:
                         p.grad = None
+            self._shown = False
             return
         if set_to_none:
             for index in indices:
@@ -469,6 +472,18 @@ class ShardedGradients:
             for index, p in enumerate(unit.params):
                 if unit.trainable[index]:
                     p.grad = self._placeholders[index] if used[index] else None
+        self._shown = any(used)
+
+    def hide(self) -> None:
+        """Drop the placeholders from `.grad` before autograd accumulates new gradients there: a placeholder is no
+        gradient to add to (the earlier micro-batches' are in the shard already), so autograd must find None. (A
+        unit whose every gradient is hooked drops each one in its hook instead: `_drop_placeholder`.)"""
+        if self._shown:
+            with metadata_access():
+                for p, trainable in zip(self.unit.params, self.unit.trainable):
+                    if trainable and type(p.grad) is ShardedGradient:
+                        p.grad = None
+            self._shown = False
 
     def part(self, index: int) -> torch.Tensor:
         """This rank's slice of parameter `index`'s averaged gradient (empty when it holds none of it)."""

@@ -42,6 +42,9 @@ class _Engine(Protocol):
     _full_precision_units: set[str]  # names of the units kept in full precision under mixed precision
 
     def queue_finish_backward(self) -> None: ...
+    def unit_backward_done(self, unit: ShardUnit) -> None: ...
+    def track_each_gradient(self, unit: ShardUnit) -> None: ...
+    def drop_placeholders(self, unit: ShardUnit | None = None) -> None: ...
 
 
 class ForwardHooks:
@@ -58,6 +61,8 @@ class ForwardHooks:
         self.paused = False  # inside engine.unsharded(): every parameter is already there
         self.depth = 0  # hooked calls in progress
         self.order: list[ShardUnit] = []  # wrapped units in the order this pass ran them
+        self.passes = 0  # forward passes begun
+        self.pass_records = False  # whether this pass records for a backward
         self.last_order: list[ShardUnit] = []  # the previous pass's, for prefetching
         self._context: AbstractContextManager | None = None
         # The units are fixed once built: their largest size is worked out once (`_ahead` runs for every unit).
@@ -82,10 +87,14 @@ class ForwardHooks:
         return [m.register_forward_pre_hook(cast, with_kwargs=True) for m in self._root_modules()]
 
     def _hook(self, module: nn.Module, unit: ShardUnit | None) -> list[Any]:
-        return [
+        handles = [
             module.register_forward_pre_hook(lambda _m, args, kwargs: self.enter(unit, args, kwargs), with_kwargs=True),
             module.register_forward_hook(lambda _m, _args, output: self.exit(unit, output), always_call=True),
         ]
+        if unit is not None and unit is self.root and module is self.engine.module:
+            gather_root = lambda _m, _args, output: self._gather_root_in_backward(output)  # noqa: E731
+            handles.append(module.register_forward_hook(gather_root))
+        return handles
 
     def _root_modules(self) -> list[nn.Module]:
         """The root, and every module outside the wrapped units that holds a root-unit parameter or contains one
@@ -136,14 +145,26 @@ class ForwardHooks:
         args, kwargs = self._cast_inputs(unit, args, kwargs)
         self.order.append(unit)
         self._prefetch(self._ahead(self.last_order, len(self.order), +1))
-        if torch.is_grad_enabled() and unit.trainable_count < len(unit.params):
-            # A frozen parameter has no gradient to say when backward is done with it: the unit's backward ends
-            # when its inputs' gradients exist. When every parameter is trainable, the last of their gradients
-            # is that moment already (each backward node that reads a parameter gives it a gradient, so all have
-            # run by then), and the unit needs no autograd Function on its inputs.
-            args, kwargs, unit.inputs_need_grad = call_after_inputs_grad(
-                args, kwargs, lambda: self._on_inputs_grad(unit)
-            )
+        if torch.is_grad_enabled():
+            args, kwargs = self._arm_backward(unit, args, kwargs)
+        elif self.pass_records:  # not recorded inside a recorded pass: reentrant checkpointing recomputes it later
+            self.engine.track_each_gradient(unit)
+        return args, kwargs
+
+    def _arm_backward(self, unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Route the unit's inputs through an autograd Function whose backward runs once their gradients exist:
+        the unit's backward is then over, and (as FSDP2's post-backward) the engine is told once for the unit
+        (`unit_backward_done`). Units whose gradients are hooked one by one (`tracks_each_gradient`) need it only
+        with a frozen parameter, which has no gradient to say when backward is done with it. A unit called again
+        in one pass, or whose inputs need no gradient, has its gradients hooked from now on."""
+        if unit.forward_pass == self.passes:
+            self.engine.track_each_gradient(unit)
+        unit.forward_pass = self.passes
+        if unit.tracks_each_gradient and unit.trainable_count == len(unit.params):
+            return args, kwargs
+        args, kwargs, unit.inputs_need_grad = call_after_inputs_grad(args, kwargs, lambda: self._on_inputs_grad(unit))
+        if not unit.inputs_need_grad:
+            self.engine.track_each_gradient(unit)
         return args, kwargs
 
     def exit(self, unit: ShardUnit | None, output: Any) -> Any:
@@ -167,6 +188,10 @@ class ForwardHooks:
         if self.order:
             self.last_order = self.order
         self.order = []
+        self.passes += 1
+        self.pass_records = torch.is_grad_enabled()
+        if self.pass_records:
+            self.engine.drop_placeholders()
         if self.root is not None:
             self.root.unshard()
         self._prefetch(self._ahead(self.last_order, 0, +1))
@@ -249,12 +274,26 @@ class ForwardHooks:
         if unit.backward_started:
             return
         unit.backward_started = True
+        if not unit.tracks_each_gradient:
+            self.engine.drop_placeholders(unit)  # (again: a second backward may follow without a forward)
         unit.unshard()
         if unit in self.order:
             self._prefetch(self._ahead(self.order, self.order.index(unit) - 1, -1))
 
+    def _gather_root_in_backward(self, output: Any) -> None:
+        """A second backward through a retained graph (`backward(retain_graph=True)`, then another) finds the root
+        unit resharded by the first: it is gathered again when the model's outputs' gradients arrive."""
+        if torch.is_grad_enabled() and not self.paused and not self.engine.in_backward:
+            call_before_outputs_grad(output, self._root_pre_backward)
+
+    def _root_pre_backward(self) -> None:
+        self.engine.queue_finish_backward()
+        self.root.unshard()
+
     def _on_inputs_grad(self, unit: ShardUnit) -> None:
         unit.input_grad_done = True
+        if not unit.tracks_each_gradient:
+            self.engine.unit_backward_done(unit)
         self.maybe_reshard_after_backward(unit)
 
     def maybe_reshard_after_backward(self, unit: ShardUnit) -> None:

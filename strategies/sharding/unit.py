@@ -22,7 +22,7 @@ from torch import nn
 from .collectives import CommStats, Work, all_gather, never_communicates, wait
 from .groups import Groups
 from .layout import FlatLayout, Piece
-from .parameter import label_sharded, mark_sharded, mark_unsharded
+from .parameter import label_sharded, mark_sharded, mark_unsharded, metadata_access
 from .spec import ShardingSpec, UnitOptions
 
 
@@ -58,6 +58,11 @@ class ShardUnit:
         self.params = [p for _, p in params]
         self.trainable = [p.requires_grad for p in self.params]
         self.trainable_count = sum(self.trainable)  # gradients that arrive in each backward
+        self._trainable_params = [p for p, t in zip(self.params, self.trainable) if t]
+        # How the engine learns that the unit's gradients are in (docs/architecture.md, "A unit's backward"): from
+        # a hook on each trainable parameter (True), or once for the whole unit, when its backward is over.
+        self.tracks_each_gradient = False
+        self.forward_pass = -1  # the last forward pass (hooks.py's count) that ran the unit
         self.layout = FlatLayout([p.shape for p in self.params], self.world_size, self.trainable)
         options = options or UnitOptions()
         self.dtype = self.params[0].dtype  # of the master weights and of checkpoints
@@ -263,6 +268,12 @@ class ShardUnit:
         self.backward_started = False
         self.input_grad_done = False
         self.inputs_need_grad = False
+
+    def has_every_gradient(self) -> bool:
+        """Whether every trainable parameter has a `.grad` (after the placeholders were dropped: a gradient of
+        this backward, complete, since autograd accumulates a parameter's gradient once, when all of it is in)."""
+        with metadata_access():
+            return all(p.grad is not None for p in self._trainable_params)
 
     def on_grad_ready(self, index: int) -> bool:
         """A gradient was accumulated into `.grad`; True when the unit's last one arrived."""
