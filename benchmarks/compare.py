@@ -17,6 +17,8 @@ touches all alike:
   floor        the compute floor: each rank trains a plain model with plain AdamW on the same per-rank batch,
                with no communication (both ranks at once, so they share the machine as the others do)
   floor-solo   (not run by default) rank 0 alone does the floor's work while rank 1 waits
+  fsdp-hooked  (not run by default) fsdp with the engine's backward per parameter (a hook on each gradient, as
+               before it ran once per unit; docs/architecture.md, "A unit's backward")
   <strategy>+timed, <strategy>+checked   (not run by default; ddp, zero1, zero2, fsdp, hsdp) the strategy with the
                Trainer's step timer watching every collective (as in every Trainer fit), or with the timer and
                detect_divergence's check: "vs torch" then compares with the same strategy unwatched
@@ -62,13 +64,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.gpu.common import backward_per_parameter
 from examples.gpt import GPT, GPT_PRESETS, Block, GPTConfig, TextWindows, load_corpus
 from strategies import observe
 
 MiB = 2**20
 VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp", "ddp", "zero1", "zero2", "fsdp", "floor")
 COMPILED_VARIANTS = ("floor+compile", "ddp+compile", "fsdp+compile", "torch-fsdp+compile")
-EXTRA_VARIANTS = ("floor-solo", "hsdp", "torch-hsdp", *COMPILED_VARIANTS)
+EXTRA_VARIANTS = ("floor-solo", "hsdp", "torch-hsdp", "fsdp-hooked", *COMPILED_VARIANTS)
 HSDP_GROUP = 2  # ranks that shard among themselves in the hsdp variants
 # what watches the engine's collectives (trainer/observe/timing.py, trainer/observe/divergence.py)
 WATCHED = ("+timed", "+checked")
@@ -78,6 +81,7 @@ COUNTERPART = {
     "zero1": "torch-zero",
     "zero2": "torch-ddp",
     "fsdp": "torch-fsdp",
+    "fsdp-hooked": "torch-fsdp",
     "hsdp": "torch-hsdp",
     "fsdp+compile": "torch-fsdp+compile",
 }
@@ -90,6 +94,7 @@ AVERAGING = (
     "zero1",
     "zero2",
     "fsdp",
+    "fsdp-hooked",
     "hsdp",
     "ddp+compile",
     "fsdp+compile",
@@ -103,7 +108,8 @@ def theory_bytes(variant: str, params: int, world: int) -> float:
     p, n = params, world
     for suffix in ("+compile", *WATCHED):
         variant = variant.removesuffix(suffix)
-    kind = {"torch-ddp": "ddp", "torch-zero": "zero1", "torch-fsdp": "fsdp", "torch-hsdp": "hsdp"}.get(variant, variant)
+    kinds = {"torch-ddp": "ddp", "torch-zero": "zero1", "torch-fsdp": "fsdp", "torch-hsdp": "hsdp"}
+    kind = kinds.get(variant, "fsdp" if variant == "fsdp-hooked" else variant)
     return {
         "ddp": 16 * p,
         "zero1": 8 * p + 8 * p / n,
@@ -196,9 +202,11 @@ def build(name: str, config: GPTConfig, lr: float, mesh):
         "zero1": lambda: ZeroStrategy(stage=1, compile=compile_),
         "zero2": lambda: ZeroStrategy(stage=2, compile=compile_),
         "fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, compile=compile_),
+        "fsdp-hooked": lambda: FSDPStrategy(auto_wrap_policy={Block}),
         "hsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}, hybrid_shard=HSDP_GROUP),
     }[name]()
-    model = strategy.setup_module(model)
+    with backward_per_parameter(name == "fsdp-hooked"):
+        model = strategy.setup_module(model)
     opt = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
     return _plain_step(model, opt), strategy.engine, strategy.teardown
 

@@ -175,9 +175,9 @@ def print_speed(outcomes: list[Outcome]) -> None:
     overhead = [r for r in rows if r["table"] == "overhead"]
     if overhead:
         print(f"\nFramework overhead: {overhead[0]['units']} units of width 64 (GPU work negligible)")
-        print(f"{'variant':15} {'step ms':>9} {'us per unit over torch':>23}")
+        print(f"{'variant':16} {'step ms':>9} {'us per unit over torch':>23}")
         for r in overhead:
-            print(f"{r['variant']:15} {r['step_ms']:9.3f} {r['us_per_unit']:23.1f}")
+            print(f"{r['variant']:16} {r['step_ms']:9.3f} {r['us_per_unit']:23.1f}")
     print_host_split([r for o in outcomes for r in o.rows if r["kind"] == "host_split"])
     for r in (r for o in outcomes for r in o.rows if r["kind"] == "note"):
         print(f"\n{r['text']}")

@@ -34,7 +34,6 @@ a 95% interval from resampling the rounds: how far this run's noise leaves the r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import platform
@@ -45,17 +44,16 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.gpu.common import one_rank_collectives
+from benchmarks.gpu.common import backward_per_parameter, one_rank_collectives
 from examples.gpt import GPT, Block, GPTConfig
 from strategies import FSDPStrategy, get_strategy
-from strategies.sharding import engine as sharding_engine
 from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=48, n_head=4, n_embd=64)
@@ -99,18 +97,6 @@ def build(variant: str, rank: int) -> Step:
         optimizer = strategy.setup_optimizer(torch.optim.AdamW(wrapped.parameters(), lr=1e-4, foreach=True))
         return make_step(wrapped, optimizer, rank, strategy)
     return make_step(wrapped, torch.optim.AdamW(wrapped.parameters(), lr=1e-4, foreach=True), rank)
-
-
-@contextlib.contextmanager
-def backward_per_parameter(on: bool) -> Iterator[None]:
-    """Engines built inside hear of each gradient from a hook on its parameter, as the root unit does, instead of
-    once per unit (the "fsdp-hooked" variant: the engine's backward before it ran per unit)."""
-    before = sharding_engine.POST_BACKWARD_PER_UNIT
-    sharding_engine.POST_BACKWARD_PER_UNIT = not on
-    try:
-        yield
-    finally:
-        sharding_engine.POST_BACKWARD_PER_UNIT = before
 
 
 def make_step(model: Any, optimizer: torch.optim.Optimizer, rank: int, strategy: Any = None) -> Step:
@@ -401,7 +387,7 @@ def main() -> None:
         type=lambda s: s.split(","),
         default=None,
         help=f"comma-separated; world size 1: {','.join(ONE_RANK)},fsdp-hooked,fsdp-hooked@many; "
-        f"2 ranks: {','.join(TWO_RANKS)}",
+        f"2 ranks: {','.join(TWO_RANKS)},fsdp-hooked",
     )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)

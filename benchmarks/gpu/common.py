@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from examples.gpt import GPT, Block, GPTConfig
+from strategies.sharding import engine as sharding_engine
 from strategies.sharding.collectives import ONE_RANK_COLLECTIVES
 from trainer import Trainer, TrainModule
 
@@ -52,6 +53,19 @@ def one_rank_collectives(on: bool) -> Iterator[None]:
             os.environ.pop(ONE_RANK_COLLECTIVES)
         else:
             os.environ[ONE_RANK_COLLECTIVES] = previous
+
+
+@contextmanager
+def backward_per_parameter(on: bool = True) -> Iterator[None]:
+    """Engines built inside hear of each gradient from a hook on its parameter, as the root unit does, instead of
+    once per fsdp unit: the "fsdp-hooked" variants of the benchmarks (the engine's backward before it ran per unit;
+    docs/architecture.md, "A unit's backward")."""
+    before = sharding_engine.POST_BACKWARD_PER_UNIT
+    sharding_engine.POST_BACKWARD_PER_UNIT = not on
+    try:
+        yield
+    finally:
+        sharding_engine.POST_BACKWARD_PER_UNIT = before
 
 
 def report(kind: str, **fields: Any) -> None:

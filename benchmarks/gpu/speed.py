@@ -3,7 +3,8 @@
 - GPT-2 small's shape (12 layers, 768 wide, 1024 tokens, vocabulary 50,304), batch 8, bf16 autocast, AdamW(fused):
   plain torch, torch's fully_shard per Block, this project's ddp, zero2 and fsdp; then plain torch with each Block
   compiled and fsdp with compile={Block}. Median step (CUDA events), tokens/s, MFU, max_memory_allocated.
-- 48 blocks of width 64, where GPU work is negligible: the framework's own cost per step and per unit.
+- 48 blocks of width 64, where GPU work is negligible: the framework's own cost per step and per unit (with
+  "fsdp-hooked", fsdp whose backward hooks every parameter, as before it ran once per unit).
 
 A variant name ending in "@nccl" runs with one-rank collectives (collectives.py): the path of many GPUs, each
 unit all-gathered and reduce-scattered through nccl, which fully_shard takes on one GPU too.
@@ -23,7 +24,16 @@ import torch
 from examples.gpt import GPT, Block, GPTConfig
 from strategies import FSDPStrategy, get_strategy
 
-from .common import Settings, check, lm_loss, new_gpt, one_rank_collectives, report, token_batches
+from .common import (
+    Settings,
+    backward_per_parameter,
+    check,
+    lm_loss,
+    new_gpt,
+    one_rank_collectives,
+    report,
+    token_batches,
+)
 from .host_split import split_host_time
 
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s by the vendors' datasheets
@@ -72,11 +82,12 @@ def build_variant(name: str, config: GPTConfig, settings: Settings) -> tuple[Any
             fully_shard(block)
         fully_shard(model)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    if base == "fsdp":
+    if base in ("fsdp", "fsdp-hooked"):
         strategy = FSDPStrategy(auto_wrap_policy={Block}, compile={Block} if compiled else None)
     else:
         strategy = get_strategy(base)
-    model = strategy.setup_module(model)
+    with backward_per_parameter(base == "fsdp-hooked"):
+        model = strategy.setup_module(model)
     optimizer = strategy.setup_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused))
     # The engine's gradient hooks hold it weakly: a strategy dropped here takes its engine with it at the next
     # garbage collection, and the variant would go on timing a plain model (ddp) or fail (zero2: see overhead.py).
@@ -285,6 +296,7 @@ def part_overhead(settings: Settings) -> None:
     batch = token_batches(config, 1, 2)[0]
     rounds, steps, warmup = (2, 2, 1) if settings.tiny else (3, 20, 5)
     variants = ["torch", "fully_shard", "ddp", "zero2", "fsdp", "ddp@nccl", "zero2@nccl", "fsdp@nccl"]
+    variants.append("fsdp-hooked@nccl")  # the engine's backward per parameter (common.py, backward_per_parameter)
     results = run_interleaved(variants, config, batch, settings, rounds, steps, warmup)
     plain = statistics.median(results["torch"]["times"])
     for name in variants:
