@@ -35,15 +35,19 @@ CASES = {  # case: (units told once, by name; reshard_after_forward)
     "checkpointed": ({"units.0", "units.1", "units.2"}, True),
     "checkpointed, reentrant": (set(), True),
     "retain_graph, two backwards": ({"units.0", "units.1", "units.2"}, True),
+    "input changed in place": ({"units.1", "units.2"}, True),
 }
 
 
 class Unit(nn.Module):
-    def __init__(self, layers: int = 1) -> None:
+    def __init__(self, layers: int = 1, in_place: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(layers))
+        self.in_place = in_place
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.in_place:  # (its input's autograd history is rewritten: the unit's backward cannot end on it)
+            h = h.mul_(2.0)
         for layer in self.layers:
             h = torch.tanh(layer(h))
         return h
@@ -57,7 +61,7 @@ class Net(nn.Module):
         super().__init__()
         self.case = case
         self.emb = nn.Embedding(TOKENS, WIDTH)
-        self.units = nn.ModuleList(Unit(layers) for _ in range(3))
+        self.units = nn.ModuleList(Unit(layers, in_place=case == "input changed in place" and i == 0) for i in range(3))
         self.spare = Unit(layers)
         self.head = nn.Linear(WIDTH, 1)
         if case == "parameter shared by two units":

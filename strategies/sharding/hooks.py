@@ -330,13 +330,24 @@ def _flatten(obj: Any) -> list[torch.Tensor]:
 
 
 def call_after_inputs_grad(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict, bool]:
-    """Route the grad-requiring tensor arguments through _AfterInputsGrad. Returns the new arguments and
-    whether any input needs a gradient (if none does, the unit's backward ends with its parameters)."""
+    """Run `callback` once the gradients of the grad-requiring tensor arguments exist. A single such argument (the
+    usual hidden state) is passed on as a view of itself, with `callback` as a pre-hook on the view's autograd node:
+    cheaper than an autograd Function (its ctx, its Python forward), and the unit may change its input in place (a
+    custom Function's output may not be), which rewrites the history so the hook never runs: the engine then tracks
+    the unit's gradients one by one (engine.finish_backward). Several go through _AfterInputsGrad, whose backward
+    runs once all their gradients are in. Returns the new arguments and whether any input needs a gradient (if none
+    does, the unit's backward ends with its parameters)."""
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
     keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
     if not positions and not keys:
         return args, kwargs, False
-    outputs = _AfterInputsGrad.apply(callback, *[args[i] for i in positions], *[kwargs[k] for k in keys])
+    if len(positions) + len(keys) == 1:
+        tensor = args[positions[0]] if positions else kwargs[keys[0]]
+        view = tensor.view_as(tensor)
+        view.grad_fn.register_prehook(lambda _grads: callback())  # (returns None: the gradient goes on unchanged)
+        outputs = (view,)
+    else:
+        outputs = _AfterInputsGrad.apply(callback, *[args[i] for i in positions], *[kwargs[k] for k in keys])
     args, kwargs = list(args), dict(kwargs)
     for i, out in zip(positions + keys, outputs):
         if isinstance(i, int):
