@@ -152,8 +152,8 @@ class ForwardHooks:
         return args, kwargs
 
     def _arm_backward(self, unit: ShardUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Route the unit's inputs through an autograd Function whose backward runs once their gradients exist:
-        the unit's backward is then over, and (as FSDP2's post-backward) the engine is told once for the unit
+        """Have the unit's inputs call back once their gradients exist (`call_after_inputs_grad`): the unit's
+        backward is then over, and (as FSDP2's post-backward) the engine is told once for the unit
         (`unit_backward_done`). Units whose gradients are hooked one by one (`tracks_each_gradient`) need it only
         with a frozen parameter, which has no gradient to say when backward is done with it. A unit called again
         in one pass, or whose inputs need no gradient, has its gradients hooked from now on."""
